@@ -1,0 +1,10 @@
+#pragma once
+
+// The whole public API of ferry.
+#include <ferry/connector.hpp>
+#include <ferry/descriptor.hpp>
+#include <ferry/device.hpp>
+#include <ferry/error.hpp>
+#include <ferry/operation.hpp>
+#include <ferry/operation_status.hpp>
+#include <ferry/rdma_metadata.hpp>

@@ -1,0 +1,123 @@
+#pragma once
+
+#include <uv.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ferry/connector.hpp>
+
+#include "sidechannel/event_loop.hpp"
+#include "transport/transport.hpp"
+
+namespace ferry::detail {
+
+class OperationState;
+
+/// A connector's state. Operation states hold it too, so it lives until the last handle is
+/// gone; shutdown() ends its loop and transports when the Connector itself is destroyed.
+class Core : public std::enable_shared_from_this<Core> {
+ public:
+  explicit Core(ConnectorOptions options);
+  /// Starts the loop and the transports. Called once, right after construction.
+  void start();
+  /// Cancels every live operation, closes the transports and the loop. Any thread.
+  void shutdown() noexcept;
+
+  /// Loop thread: creates and arms a passive operation.
+  std::shared_ptr<OperationState> create_passive(OperationKind kind, std::vector<Descriptor> local,
+                                                 std::chrono::milliseconds timeout);
+  /// Loop thread: starts an active operation on `remote` (already validated).
+  std::shared_ptr<OperationState> begin_active(const RdmaMetadata& remote,
+                                               std::vector<Descriptor> local,
+                                               std::chrono::milliseconds timeout);
+  /// Loop thread: the transport and endpoint an active operation toward `remote` uses;
+  /// throws NoCommonMethod.
+  std::pair<transport::Transport*, Endpoint> choose_transport(const RdmaMetadata& remote) const;
+
+  std::chrono::milliseconds effective_timeout(const OperationOptions& options) const;
+
+  const ConnectorOptions options;
+  PeerIdentity identity;
+  std::vector<Endpoint> endpoints;
+  std::unique_ptr<sidechannel::EventLoop> loop;
+
+  // Loop thread only.
+  std::vector<std::unique_ptr<transport::Transport>> transports;
+  std::unordered_map<std::uint64_t, std::weak_ptr<OperationState>> live;
+  bool closed = false;
+
+ private:
+  std::uint64_t next_id_;
+};
+
+/// One operation, passive or active; shared by its handle, the connector's table of live
+/// operations (weakly) and callbacks under way. Status, error and callbacks are guarded by
+/// `mu` for readers on any thread; everything else changes on the loop thread only.
+class OperationState final : public transport::ExposureObserver,
+                             public transport::TransferObserver,
+                             public std::enable_shared_from_this<OperationState> {
+ public:
+  OperationState(std::shared_ptr<Core> core, std::uint64_t id, OperationKind kind, bool passive,
+                 std::vector<Descriptor> local);
+  ~OperationState() override;
+
+  /// Loop thread: starts the deadline timer, if any.
+  void arm(std::chrono::milliseconds timeout);
+  /// Loop thread: ends the operation once. Releases its transport resources first, so that
+  /// nothing touches its memory once its status is final, then wakes waiters and queues
+  /// callbacks.
+  void finish(OperationStatus status, std::optional<Error> error);
+  /// Any thread: cancel() as the public API defines it.
+  void cancel();
+
+  OperationStatus status() const noexcept { return status_.load(std::memory_order_acquire); }
+  void set_status(OperationStatus s) noexcept { status_.store(s, std::memory_order_release); }
+  std::optional<Error> error() const;
+  void wait() const;
+  bool wait_for(std::chrono::nanoseconds timeout) const;
+  void on_complete(CompletionCallback callback);
+
+  // transport::ExposureObserver
+  void on_claimed(const std::string& peer) override;
+  void on_peer_finished(const std::string& peer, const std::optional<Error>& error) override;
+  void on_peer_lost(const Error& error) override;
+  // transport::TransferObserver
+  void on_transfer_complete() override;
+  void on_transfer_failed(const Error& error) override;
+
+  const std::shared_ptr<Core> core;
+  const std::uint64_t id;
+  const std::string id_hex;
+  const OperationKind kind;
+  const bool passive;
+  const std::vector<Descriptor> local;
+  RdmaMetadata metadata;  ///< passive only; set before the handle is published
+
+  // Loop thread only.
+  std::unique_ptr<transport::Transfer> transfer;
+  std::vector<transport::Transport*> exposed_on;
+
+ private:
+  static void on_deadline(uv_timer_t* timer);
+  void throw_if_failed() const;
+
+  std::atomic<OperationStatus> status_{OperationStatus::initialized};
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::optional<Error> error_;              // guarded by mu_
+  std::vector<CompletionCallback> waiting_; // guarded by mu_
+  uv_timer_t* deadline_ = nullptr;          // loop thread only
+  std::chrono::milliseconds timeout_{0};
+};
+
+/// "00000000deadbeef"
+std::string hex16(std::uint64_t value);
+
+}  // namespace ferry::detail

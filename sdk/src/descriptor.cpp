@@ -1,0 +1,12 @@
+#include <ferry/descriptor.hpp>
+#include <ferry/error.hpp>
+
+namespace ferry {
+
+Descriptor::Descriptor(void* ptr, std::size_t size, Device device)
+    : ptr_(ptr), size_(size), device_(device) {
+  if (ptr == nullptr) throw Error(ErrorCode::InvalidArgument, "descriptor pointer is null");
+  if (size == 0) throw Error(ErrorCode::InvalidArgument, "descriptor size is zero");
+}
+
+}  // namespace ferry

@@ -1,0 +1,187 @@
+#include <ferry/error.hpp>
+#include <ferry/rdma_metadata.hpp>
+
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+namespace ferry {
+
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void invalid(const std::string& field, const std::string& why) {
+  throw Error(ErrorCode::InvalidMetadata, why, field);
+}
+
+bool is_lower_hex(std::string_view s, std::size_t digits) {
+  if (s.size() != digits) return false;
+  for (char c : s)
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  return true;
+}
+
+const json& member(const json& object, const std::string& path, const char* key) {
+  auto it = object.find(key);
+  if (it == object.end()) invalid(path + key, "missing");
+  return *it;
+}
+
+std::string join(const std::string& parent, const char* key) {
+  return parent.empty() ? key : parent + "." + key;
+}
+
+std::string get_string(const json& object, const std::string& parent, const char* key) {
+  const json& v = member(object, parent.empty() ? "" : parent + ".", key);
+  if (!v.is_string()) invalid(join(parent, key), "must be a string");
+  return v.get<std::string>();
+}
+
+std::uint64_t get_unsigned(const json& object, const std::string& parent, const char* key) {
+  const json& v = member(object, parent.empty() ? "" : parent + ".", key);
+  if (!v.is_number_unsigned()) invalid(join(parent, key), "must be a non-negative integer");
+  return v.get<std::uint64_t>();
+}
+
+std::int64_t get_integer(const json& object, const std::string& parent, const char* key) {
+  const json& v = member(object, parent.empty() ? "" : parent + ".", key);
+  if (!v.is_number_integer()) invalid(join(parent, key), "must be an integer");
+  if (v.is_number_unsigned() &&
+      v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+    invalid(join(parent, key), "out of range");
+  return v.get<std::int64_t>();
+}
+
+const json& get_array(const json& object, const char* key) {
+  const json& v = member(object, "", key);
+  if (!v.is_array()) invalid(key, "must be an array");
+  return v;
+}
+
+OperationKind kind_from_string(const std::string& s) {
+  if (s == "read") return OperationKind::read;
+  if (s == "write") return OperationKind::write;
+  invalid("operation_kind", "unknown kind '" + s + "' (expected read or write)");
+}
+
+}  // namespace
+
+std::uint64_t RdmaMetadata::total_size() const noexcept {
+  std::uint64_t total = 0;
+  for (const auto& d : descriptors) total += d.size;
+  return total;
+}
+
+void RdmaMetadata::validate() const {
+  if (version != kVersion)
+    invalid("version", "unknown version " + std::to_string(version) + " (this build reads " +
+                           std::to_string(kVersion) + ")");
+  if (operation_kind != OperationKind::read && operation_kind != OperationKind::write)
+    invalid("operation_kind", "must be read or write");
+  if (!is_lower_hex(notification_key, 16))
+    invalid("notification_key", "must be 16 lowercase hex digits");
+  if (owner.name.empty()) invalid("owner.name", "must not be empty");
+  if (owner.id.empty()) invalid("owner.id", "must not be empty");
+  if (endpoints.empty()) invalid("endpoints", "must list at least one endpoint");
+  if (endpoints.size() > kMaxEndpoints)
+    invalid("endpoints", "more than " + std::to_string(kMaxEndpoints) + " endpoints");
+  for (std::size_t i = 0; i < endpoints.size(); ++i) {
+    const std::string at = "endpoints[" + std::to_string(i) + "]";
+    if (endpoints[i].method.empty()) invalid(at + ".method", "must not be empty");
+    if (endpoints[i].address.empty()) invalid(at + ".address", "must not be empty");
+  }
+  if (descriptors.empty()) invalid("descriptors", "must list at least one descriptor");
+  if (descriptors.size() > kMaxDescriptors)
+    invalid("descriptors", "more than " + std::to_string(kMaxDescriptors) + " descriptors");
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < descriptors.size(); ++i) {
+    const std::string at = "descriptors[" + std::to_string(i) + "]";
+    const auto& d = descriptors[i];
+    if (d.ptr == 0) invalid(at + ".ptr", "must not be null");
+    if (d.size == 0) invalid(at + ".size", "must be greater than zero");
+    if (d.size > std::numeric_limits<std::uint64_t>::max() - d.ptr)
+      invalid(at + ".size", "ptr + size overflows");
+    if (d.size > std::numeric_limits<std::uint64_t>::max() - total)
+      invalid(at + ".size", "the total size overflows");
+    total += d.size;
+  }
+  if (!is_lower_hex(token, 32)) invalid("token", "must be 32 lowercase hex digits");
+}
+
+std::string RdmaMetadata::to_json() const {
+  json descs = json::array();
+  for (const auto& d : descriptors)
+    descs.push_back({{"device", d.device.to_string()}, {"ptr", d.ptr}, {"size", d.size}});
+  json eps = json::array();
+  for (const auto& e : endpoints) eps.push_back({{"method", e.method}, {"address", e.address}});
+  json doc = {
+      {"version", version},
+      {"operation_kind", std::string(to_string(operation_kind))},
+      {"notification_key", notification_key},
+      {"owner", {{"name", owner.name}, {"id", owner.id}, {"host", owner.host}, {"pid", owner.pid}}},
+      {"endpoints", std::move(eps)},
+      {"descriptors", std::move(descs)},
+      {"token", token},
+  };
+  return doc.dump();
+}
+
+RdmaMetadata RdmaMetadata::from_json(std::string_view text) {
+  if (text.size() > kMaxJsonBytes)
+    invalid("", "document of " + std::to_string(text.size()) + " bytes exceeds the limit of " +
+                    std::to_string(kMaxJsonBytes));
+  json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) invalid("", "not valid JSON");
+  if (!doc.is_object()) invalid("", "must be a JSON object");
+
+  RdmaMetadata m;
+  // The version first: a document of another version may differ in everything else.
+  std::int64_t version = get_integer(doc, "", "version");
+  if (version != kVersion)
+    invalid("version", "unknown version " + std::to_string(version) + " (this build reads " +
+                           std::to_string(kVersion) + ")");
+  m.version = static_cast<int>(version);
+  m.operation_kind = kind_from_string(get_string(doc, "", "operation_kind"));
+  m.notification_key = get_string(doc, "", "notification_key");
+
+  const json& owner = member(doc, "", "owner");
+  if (!owner.is_object()) invalid("owner", "must be an object");
+  m.owner.name = get_string(owner, "owner", "name");
+  m.owner.id = get_string(owner, "owner", "id");
+  m.owner.host = get_string(owner, "owner", "host");
+  m.owner.pid = get_integer(owner, "owner", "pid");
+
+  const json& eps = get_array(doc, "endpoints");
+  if (eps.size() > kMaxEndpoints)
+    invalid("endpoints", "more than " + std::to_string(kMaxEndpoints) + " endpoints");
+  for (std::size_t i = 0; i < eps.size(); ++i) {
+    const std::string at = "endpoints[" + std::to_string(i) + "]";
+    if (!eps[i].is_object()) invalid(at, "must be an object");
+    m.endpoints.push_back({get_string(eps[i], at, "method"), get_string(eps[i], at, "address")});
+  }
+
+  const json& descs = get_array(doc, "descriptors");
+  if (descs.size() > kMaxDescriptors)
+    invalid("descriptors", "more than " + std::to_string(kMaxDescriptors) + " descriptors");
+  m.descriptors.reserve(descs.size());
+  for (std::size_t i = 0; i < descs.size(); ++i) {
+    const std::string at = "descriptors[" + std::to_string(i) + "]";
+    if (!descs[i].is_object()) invalid(at, "must be an object");
+    RemoteDescriptor d;
+    std::string device = get_string(descs[i], at, "device");
+    try {
+      d.device = Device(device);
+    } catch (const Error& e) {
+      invalid(at + ".device", e.message());
+    }
+    d.ptr = get_unsigned(descs[i], at, "ptr");
+    d.size = get_unsigned(descs[i], at, "size");
+    m.descriptors.push_back(d);
+  }
+  m.token = get_string(doc, "", "token");
+  m.validate();
+  return m;
+}
+
+}  // namespace ferry

@@ -1,0 +1,186 @@
+#include "sidechannel/event_loop.hpp"
+
+#include <cstdio>
+#include <exception>
+#include <utility>
+
+namespace ferry::sidechannel {
+
+// State shared between the EventLoop object and, in owned mode, its thread: the thread
+// keeps it alive so that a connector destroyed from its own loop thread (where it cannot
+// join) still leaves the loop intact until uv_run returns.
+struct EventLoop::Shared {
+  uv_loop_t own_loop{};
+  uv_loop_t* loop = nullptr;
+  uv_async_t* async = nullptr;
+  uv_idle_t* idle = nullptr;
+  std::atomic<std::thread::id> loop_thread{};
+
+  std::mutex mu;
+  std::vector<Task> queue;  // guarded by mu
+  bool closing = false;     // guarded by mu
+  bool closed = false;      // guarded by mu; once set, async must not be touched
+
+  std::vector<Task> deferred;  // loop thread only
+  bool idle_active = false;    // loop thread only
+};
+
+namespace {
+
+void run_guarded(const EventLoop::Task& task) {
+  // Exceptions must not unwind through libuv's C frames; call() tasks capture their own.
+  try {
+    task();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ferry: loop task failed: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "ferry: loop task failed\n");
+  }
+}
+
+template <class Handle>
+void close_handle(Handle*& handle) {
+  uv_close(reinterpret_cast<uv_handle_t*>(handle),
+           [](uv_handle_t* closed) { delete reinterpret_cast<Handle*>(closed); });
+  handle = nullptr;
+}
+
+}  // namespace
+
+EventLoop::EventLoop(uv_loop_t* external) : shared_(std::make_shared<Shared>()) {
+  Shared& s = *shared_;
+  embedded_ = external != nullptr;
+  if (embedded_) {
+    s.loop = external;
+  } else {
+    if (int rc = uv_loop_init(&s.own_loop); rc != 0)
+      throw Error(ErrorCode::Internal, std::string("uv_loop_init: ") + uv_strerror(rc));
+    s.loop = &s.own_loop;
+  }
+  loop_ = s.loop;
+
+  s.async = new uv_async_t{};
+  uv_async_init(s.loop, s.async, &EventLoop::on_async);
+  s.async->data = &s;
+  s.idle = new uv_idle_t{};
+  uv_idle_init(s.loop, s.idle);
+  s.idle->data = &s;
+
+  if (embedded_) {
+    s.loop_thread.store(std::this_thread::get_id());
+    return;
+  }
+  thread_ = std::thread([keep = shared_] {
+    uv_run(keep->loop, UV_RUN_DEFAULT);
+    if (uv_loop_close(keep->loop) != 0)
+      std::fprintf(stderr, "ferry: event loop closed with handles still open\n");
+  });
+  s.loop_thread.store(thread_.get_id());
+}
+
+EventLoop::~EventLoop() {
+  close(nullptr);
+  if (thread_.joinable()) thread_.join();
+}
+
+bool EventLoop::in_loop_thread() const noexcept {
+  return shared_->loop_thread.load(std::memory_order_relaxed) == std::this_thread::get_id();
+}
+
+Error EventLoop::closed_error() {
+  return Error(ErrorCode::InvalidState, "the connector is closed");
+}
+
+bool EventLoop::post(Task task) {
+  Shared& s = *shared_;
+  std::lock_guard lock(s.mu);
+  if (s.closed) return false;
+  s.queue.push_back(std::move(task));
+  // Under the lock: close() marks `closed` under it before closing the async handle.
+  uv_async_send(s.async);
+  return true;
+}
+
+void EventLoop::defer(Task task) {
+  Shared& s = *shared_;
+  s.deferred.push_back(std::move(task));
+  if (!s.idle_active && s.idle != nullptr) {
+    // An active idle handle also makes the loop poll without blocking, so deferred work runs
+    // in the next turn even when the task was deferred from a timer callback.
+    uv_idle_start(s.idle, &EventLoop::on_idle);
+    s.idle_active = true;
+  }
+}
+
+void EventLoop::on_async(uv_async_t* handle) {
+  auto& s = *static_cast<Shared*>(handle->data);
+  s.loop_thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  std::vector<Task> tasks;
+  {
+    std::lock_guard lock(s.mu);
+    tasks.swap(s.queue);
+  }
+  for (auto& task : tasks) run_guarded(task);
+}
+
+void EventLoop::on_idle(uv_idle_t* handle) {
+  auto& s = *static_cast<Shared*>(handle->data);
+  s.loop_thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  std::vector<Task> tasks;
+  tasks.swap(s.deferred);
+  for (auto& task : tasks) run_guarded(task);
+  if (s.deferred.empty() && s.idle_active) {
+    uv_idle_stop(handle);
+    s.idle_active = false;
+  }
+}
+
+void EventLoop::close(Task teardown) {
+  std::shared_ptr<Shared> s = shared_;
+  auto done = std::make_shared<std::promise<void>>();
+  auto finished = done->get_future();
+  Task finish = [s, done, teardown = std::move(teardown)] {
+    if (teardown) run_guarded(teardown);
+    // Callbacks of the operations the teardown ended still run, here, on the loop thread.
+    while (!s->deferred.empty()) {
+      std::vector<Task> tasks;
+      tasks.swap(s->deferred);
+      for (auto& task : tasks) run_guarded(task);
+    }
+    std::vector<Task> dropped;
+    {
+      std::lock_guard lock(s->mu);
+      s->closed = true;
+      dropped.swap(s->queue);
+    }
+    dropped.clear();  // unblocks call()ers with InvalidState
+    close_handle(s->async);
+    close_handle(s->idle);
+    s->idle_active = false;
+    done->set_value();
+  };
+
+  {
+    std::lock_guard lock(s->mu);
+    if (s->closing) return;
+    s->closing = true;
+    if (!in_loop_thread()) {
+      s->queue.push_back(std::move(finish));
+      uv_async_send(s->async);
+    }
+  }
+  if (in_loop_thread()) {
+    finish();
+    // Owned mode, closing from the loop thread itself: the thread cannot join itself; it
+    // finishes uv_run on its own and releases the shared state.
+    if (thread_.joinable()) thread_.detach();
+    return;
+  }
+  if (!embedded_) {
+    thread_.join();
+    return;
+  }
+  finished.wait();
+}
+
+}  // namespace ferry::sidechannel

@@ -1,0 +1,77 @@
+#pragma once
+
+#include <uv.h>
+
+#include <atomic>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <ferry/error.hpp>
+
+namespace ferry::sidechannel {
+
+/// One libuv loop: ferry's own thread, or a caller's loop (embedded mode). Every state change
+/// of a connector happens on it; other threads reach it through post() and call().
+class EventLoop {
+ public:
+  using Task = std::function<void()>;
+
+  /// Owned mode (external == nullptr): starts a loop thread. Embedded mode: attaches to
+  /// `external`; must be called on the thread that runs it, or while it is not running.
+  explicit EventLoop(uv_loop_t* external = nullptr);
+  /// Closes the loop if close() was not called.
+  ~EventLoop();
+  EventLoop(const EventLoop&) = delete;
+  EventLoop& operator=(const EventLoop&) = delete;
+
+  uv_loop_t* uv() const noexcept { return loop_; }
+  bool embedded() const noexcept { return embedded_; }
+  bool in_loop_thread() const noexcept;
+
+  /// Queues `task` for the loop. Any thread. False (and `task` dropped) once closed.
+  bool post(Task task);
+
+  /// Loop thread only: runs `task` after the current callback returns, within the same turn
+  /// of the loop. Used so that user callbacks never run inside ferry's own I/O handling.
+  void defer(Task task);
+
+  /// Runs `fn` on the loop and returns its result (or rethrows its exception): inline on the
+  /// loop thread, else posted, waiting for it. Throws Error(InvalidState) once closed.
+  template <class F>
+  auto call(F&& fn) -> std::invoke_result_t<F&> {
+    using R = std::invoke_result_t<F&>;
+    if (in_loop_thread()) return fn();
+    auto task = std::make_shared<std::packaged_task<R()>>(std::forward<F>(fn));
+    auto result = task->get_future();
+    if (!post([task] { (*task)(); })) throw closed_error();
+    try {
+      return result.get();
+    } catch (const std::future_error&) {
+      // The task was dropped unrun: the loop closed under us.
+      throw closed_error();
+    }
+  }
+
+  /// Runs `teardown` on the loop (it must close every handle it owns there), then closes the
+  /// loop's own handles and, in owned mode, lets the thread finish and joins it. Any thread;
+  /// idempotent. From a foreign thread in embedded mode the caller's loop must be running.
+  void close(Task teardown);
+
+ private:
+  struct Shared;
+  static void on_async(uv_async_t* handle);
+  static void on_idle(uv_idle_t* handle);
+  static Error closed_error();
+
+  std::shared_ptr<Shared> shared_;
+  uv_loop_t* loop_ = nullptr;
+  bool embedded_ = false;
+  std::thread thread_;
+};
+
+}  // namespace ferry::sidechannel

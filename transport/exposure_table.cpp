@@ -1,0 +1,142 @@
+#include "transport/exposure_table.hpp"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace ferry::transport {
+
+bool range_inside(const Region& region, std::uint64_t addr, std::uint64_t len) noexcept {
+  const auto base = reinterpret_cast<std::uint64_t>(region.ptr);
+  // Written so that no sum can wrap: addr - base only after addr >= base is known, and the
+  // length compared against what is left of the region.
+  return addr >= base && len <= region.size && addr - base <= region.size - len;
+}
+
+bool tokens_equal(const Token& a, const Token& b) noexcept {
+  std::uint8_t diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) diff |= static_cast<std::uint8_t>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+Token random_token() {
+  Token token{};
+  std::size_t got = 0;
+  while (got < token.size()) {
+    ssize_t n = getrandom(token.data() + got, token.size() - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw Error(ErrorCode::Internal, std::string("getrandom: ") + std::strerror(errno));
+    }
+    got += static_cast<std::size_t>(n);
+  }
+  return token;
+}
+
+std::string token_to_hex(const Token& token) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(token.size() * 2);
+  for (std::uint8_t b : token) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 0xf]);
+  }
+  return out;
+}
+
+bool token_from_hex(std::string_view hex, Token& out) noexcept {
+  if (hex.size() != out.size() * 2) return false;
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    int hi = nibble(hex[2 * i]);
+    int lo = nibble(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    out[i] = static_cast<std::uint8_t>(hi << 4 | lo);
+  }
+  return true;
+}
+
+ExposureTable::Entry& ExposureTable::add(const Exposure& exposure, ExposureObserver& observer) {
+  Entry entry;
+  entry.exposure = exposure;
+  entry.observer = &observer;
+  entry.by_address.resize(exposure.regions.size());
+  for (std::size_t i = 0; i < entry.by_address.size(); ++i) entry.by_address[i] = i;
+  std::sort(entry.by_address.begin(), entry.by_address.end(), [&](std::size_t a, std::size_t b) {
+    return exposure.regions[a].ptr < exposure.regions[b].ptr;
+  });
+  auto [it, inserted] = entries_.emplace(exposure.id, std::move(entry));
+  if (!inserted) throw Error(ErrorCode::Internal, "exposure id already in use");
+  return it->second;
+}
+
+bool ExposureTable::remove(std::uint64_t id) { return entries_.erase(id) > 0; }
+
+ExposureTable::Entry* ExposureTable::find(std::uint64_t id) {
+  auto it = entries_.find(id);
+  return it == entries_.end() ? nullptr : &it->second;
+}
+
+ExposureTable::Verdict ExposureTable::check(std::uint64_t id, const Token& token, Access access,
+                                            std::uint64_t addr, std::uint64_t len,
+                                            std::uint64_t conn) {
+  Verdict v;
+  Entry* entry = find(id);
+  if (entry == nullptr || !tokens_equal(entry->exposure.token, token)) {
+    v.code = ErrorCode::AccessDenied;
+    v.message = "no live operation matches this id and token";
+    return v;
+  }
+  if (entry->exposure.access != access) {
+    v.code = ErrorCode::AccessDenied;
+    v.message = entry->exposure.access == Access::read
+                    ? "the operation is readable; it cannot be written"
+                    : "the operation is writable; it cannot be read";
+    return v;
+  }
+  if (entry->bound_to != 0 && entry->bound_to != conn) {
+    v.code = ErrorCode::AccessDenied;
+    v.message = "the operation is claimed by another peer (" + entry->peer + ")";
+    return v;
+  }
+  if (len == 0) {
+    v.entry = entry;
+    return v;
+  }
+  const auto& regions = entry->exposure.regions;
+  // The last region starting at or below addr is the only one that can hold the range.
+  auto it = std::upper_bound(entry->by_address.begin(), entry->by_address.end(), addr,
+                             [&](std::uint64_t a, std::size_t idx) {
+                               return a < reinterpret_cast<std::uint64_t>(regions[idx].ptr);
+                             });
+  if (it != entry->by_address.begin()) {
+    const Region& r = regions[*std::prev(it)];
+    if (range_inside(r, addr, len)) {
+      v.entry = entry;
+      v.ptr = r.ptr + (addr - reinterpret_cast<std::uint64_t>(r.ptr));
+      return v;
+    }
+  }
+  v.code = ErrorCode::AccessDenied;
+  v.message = "range of " + std::to_string(len) + " bytes at 0x" + [&] {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%llx", static_cast<unsigned long long>(addr));
+    return std::string(buf);
+  }() + " is outside the operation's memory";
+  return v;
+}
+
+bool ExposureTable::claim(Entry& entry, std::uint64_t conn, const std::string& peer) {
+  if (entry.bound_to != 0) return false;
+  entry.bound_to = conn;
+  entry.peer = peer;
+  return true;
+}
+
+}  // namespace ferry::transport

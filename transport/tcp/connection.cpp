@@ -1,0 +1,376 @@
+#include "transport/tcp/connection.hpp"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "transport/tcp/socket.hpp"
+#include "transport/uv_handle.hpp"
+
+namespace ferry::transport::tcp {
+
+namespace {
+
+// Refused payloads and responses for cancelled transfers are read into this and dropped.
+thread_local std::byte discard_buffer[256 * 1024];
+
+// Work done per readiness callback before yielding to the loop's other handles; the socket
+// stays readable, so the loop comes straight back.
+constexpr std::uint64_t kReadBudget = 16u << 20;
+constexpr int kMaxIov = 64;
+
+}  // namespace
+
+Connection::Connection(uv_loop_t* loop, Handler& handler, Role role, int fd, std::uint64_t id,
+                       std::string peer_address, std::chrono::milliseconds peer_timeout,
+                       bool connecting)
+    : loop_(loop),
+      handler_(handler),
+      role_(role),
+      fd_(fd),
+      id_(id),
+      peer_address_(std::move(peer_address)),
+      peer_timeout_(peer_timeout),
+      connecting_(connecting) {
+  poll_ = new uv_poll_t{};
+  if (int rc = uv_poll_init(loop_, poll_, fd_); rc != 0) {
+    delete poll_;
+    poll_ = nullptr;
+    ::close(fd_);
+    throw Error(ErrorCode::Internal, std::string("uv_poll_init: ") + uv_strerror(rc));
+  }
+  poll_->data = this;
+  timer_ = new uv_timer_t{};
+  uv_timer_init(loop_, timer_);
+  timer_->data = this;
+  if (connecting_)
+    uv_timer_start(timer_, &Connection::on_timer, static_cast<std::uint64_t>(peer_timeout_.count()),
+                   0);
+  update_poll();
+}
+
+Connection::~Connection() {
+  closed_ = true;
+  close_socket();
+}
+
+std::string Connection::describe_peer() const {
+  if (peer_name_.empty()) return "at " + peer_address_;
+  return "'" + peer_name_ + "' at " + peer_address_;
+}
+
+void Connection::close_socket() {
+  if (poll_ != nullptr) {
+    // Stopping the poll handle removes the fd from the loop's epoll set, so closing the fd
+    // right after is safe even if its number is reused at once.
+    uv_poll_stop(poll_);
+    poll_->data = nullptr;
+    close_and_delete(poll_);
+    poll_ = nullptr;
+    ::close(fd_);
+    fd_ = -1;
+  }
+  if (timer_ != nullptr) {
+    uv_timer_stop(timer_);
+    timer_->data = nullptr;
+    close_and_delete(timer_);
+    timer_ = nullptr;
+  }
+}
+
+void Connection::update_poll() {
+  if (closed_ || poll_ == nullptr) return;
+  int events = 0;
+  if (connecting_) {
+    events = UV_WRITABLE;
+  } else {
+    if (!closing_after_flush_) events |= UV_READABLE;
+    if (!out_.empty()) events |= UV_WRITABLE;
+  }
+  if (events == poll_events_) return;
+  poll_events_ = events;
+  if (events == 0)
+    uv_poll_stop(poll_);
+  else
+    uv_poll_start(poll_, events, &Connection::on_poll);
+}
+
+void Connection::on_poll(uv_poll_t* handle, int status, int events) {
+  auto* self = static_cast<Connection*>(handle->data);
+  if (self == nullptr || self->closed_) return;
+  if (status < 0) {
+    self->fail(std::string("socket error: ") + uv_strerror(status));
+    return;
+  }
+  if (self->connecting_) {
+    self->finish_connect();
+    return;
+  }
+  if ((events & UV_WRITABLE) != 0) self->flush();
+  if ((events & UV_READABLE) != 0 && !self->closed_) self->read_some();
+}
+
+void Connection::on_timer(uv_timer_t* handle) {
+  auto* self = static_cast<Connection*>(handle->data);
+  if (self == nullptr || self->closed_) return;
+  if (self->connecting_)
+    self->fail("connect timed out after " + std::to_string(self->peer_timeout_.count()) + " ms");
+  else if (self->closing_after_flush_)
+    self->fail(self->close_reason_);
+}
+
+void Connection::finish_connect() {
+  int err = 0;
+  socklen_t len = sizeof err;
+  if (getsockopt(fd_, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+  if (err != 0) {
+    fail("connect failed: " + socket_error_text(err));
+    return;
+  }
+  connecting_ = false;
+  uv_timer_stop(timer_);
+  handler_.on_connected(*this);
+  if (closed_) return;
+  update_poll();
+  flush();
+}
+
+void Connection::send(const FrameHeader& header, std::string_view message,
+                      const std::byte* payload, std::uint64_t tag) {
+  if (closed_) return;
+  OutFrame& f = out_.emplace_back();
+  f.header = header;
+  f.header.msg_len = static_cast<std::uint32_t>(message.size());
+  f.header_bytes = encode(f.header);
+  f.message.assign(message);
+  if (has_payload(header.type)) {
+    f.payload = payload;
+    f.payload_len = header.len;
+  }
+  f.tag = tag;
+  // Writing at once keeps a lone small frame off the next loop turn; a queue that is still
+  // draining is left to the writable event.
+  if (out_.size() == 1) flush();
+}
+
+void Connection::release(std::uint64_t tag,
+                         const std::function<void(FrameHeader&, std::string&)>& replacement) {
+  for (auto it = out_.begin(); it != out_.end();) {
+    OutFrame& f = *it;
+    if (f.tag != tag) {
+      ++it;
+      continue;
+    }
+    f.tag = 0;
+    if (f.sent > 0) {
+      // Partly on the wire: the frame must be finished or the stream breaks. Finish it from
+      // a private copy so that the caller's memory is free when we return.
+      std::uint64_t head = kHeaderSize + f.message.size();
+      std::uint64_t from = f.sent > head ? f.sent - head : 0;
+      if (f.payload != nullptr && from < f.payload_len) {
+        std::uint64_t rest = f.payload_len - from;
+        auto copy = std::make_unique<std::byte[]>(rest);
+        std::memcpy(copy.get(), f.payload + from, rest);
+        f.owned = std::move(copy);
+        f.owned_from = from;
+        f.payload = nullptr;
+      }
+      ++it;
+      continue;
+    }
+    if (replacement) {
+      f.message.clear();
+      replacement(f.header, f.message);
+      f.header.len = 0;
+      f.header.msg_len = static_cast<std::uint32_t>(f.message.size());
+      f.header_bytes = encode(f.header);
+      f.payload = nullptr;
+      f.payload_len = 0;
+      ++it;
+    } else {
+      it = out_.erase(it);
+    }
+  }
+  update_poll();
+}
+
+void Connection::drop_sink(std::uint64_t tag) noexcept {
+  if (state_ == ReadState::payload && sink_.dest != nullptr && sink_.tag == tag) {
+    sink_.dest = nullptr;
+    sink_intact_ = false;
+  }
+}
+
+void Connection::flush() {
+  if (closed_ || connecting_) return;
+  std::vector<std::uint64_t> sent_tags;
+  while (!out_.empty()) {
+    iovec iov[kMaxIov];
+    int count = 0;
+    for (auto it = out_.begin(); it != out_.end() && count + 3 <= kMaxIov; ++it) {
+      OutFrame& f = *it;
+      std::uint64_t off = f.sent;
+      if (off < kHeaderSize) {
+        iov[count++] = {f.header_bytes.data() + off, kHeaderSize - off};
+        off = 0;
+      } else {
+        off -= kHeaderSize;
+      }
+      if (off < f.message.size()) {
+        iov[count++] = {f.message.data() + off, f.message.size() - off};
+        off = 0;
+      } else {
+        off -= f.message.size();
+      }
+      if (off < f.payload_len) {
+        const std::byte* at = f.owned ? f.owned.get() + (off - f.owned_from) : f.payload + off;
+        iov[count++] = {const_cast<std::byte*>(at), f.payload_len - off};
+      }
+    }
+    ssize_t n = ::writev(fd_, iov, count);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      fail("send failed: " + socket_error_text(errno));
+      return;
+    }
+    auto left = static_cast<std::uint64_t>(n);
+    while (left > 0 && !out_.empty()) {
+      OutFrame& f = out_.front();
+      std::uint64_t take = std::min(left, f.total() - f.sent);
+      f.sent += take;
+      left -= take;
+      if (f.sent == f.total()) {
+        if (f.tag != 0) sent_tags.push_back(f.tag);
+        out_.pop_front();
+      }
+    }
+  }
+  update_poll();
+  for (std::uint64_t tag : sent_tags) {
+    if (closed_) return;
+    handler_.on_sent(*this, tag);
+  }
+  if (closing_after_flush_ && out_.empty() && !closed_) fail(close_reason_);
+}
+
+void Connection::read_some() {
+  std::uint64_t budget = kReadBudget;
+  while (!closed_ && !closing_after_flush_ && budget > 0) {
+    ssize_t n = 0;
+    switch (state_) {
+      case ReadState::header:
+        n = ::read(fd_, header_buf_.data() + header_got_, kHeaderSize - header_got_);
+        break;
+      case ReadState::message:
+        n = ::read(fd_, message_.data() + payload_got_, message_.size() - payload_got_);
+        break;
+      case ReadState::payload: {
+        std::uint64_t rest = header_.len - payload_got_;
+        if (sink_.dest != nullptr) {
+          n = ::read(fd_, sink_.dest + payload_got_, std::min<std::uint64_t>(rest, 1u << 30));
+        } else {
+          n = ::read(fd_, discard_buffer, std::min<std::uint64_t>(rest, sizeof discard_buffer));
+        }
+        break;
+      }
+    }
+    if (n == 0) {
+      fail("connection closed by the peer");
+      return;
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      fail("receive failed: " + socket_error_text(errno));
+      return;
+    }
+    auto got = static_cast<std::uint64_t>(n);
+    budget -= std::min(budget, got);
+    switch (state_) {
+      case ReadState::header:
+        header_got_ += got;
+        if (header_got_ < kHeaderSize) break;
+        header_got_ = 0;
+        header_ = decode(header_buf_.data());
+        if (auto what = malformed(header_); !what.empty()) {
+          fail_after_notice(static_cast<std::uint32_t>(ErrorCode::ProtocolError), what);
+          return;
+        }
+        if (header_.msg_len > 0) {
+          message_.assign(header_.msg_len, '\0');
+          payload_got_ = 0;
+          state_ = ReadState::message;
+        } else {
+          message_.clear();
+          start_frame();
+        }
+        break;
+      case ReadState::message:
+        payload_got_ += got;
+        if (payload_got_ == message_.size()) start_frame();
+        break;
+      case ReadState::payload:
+        payload_got_ += got;
+        if (payload_got_ == header_.len) finish_payload();
+        break;
+    }
+  }
+}
+
+void Connection::start_frame() {
+  state_ = ReadState::header;
+  Sink sink = handler_.on_frame(*this, header_, std::move(message_));
+  message_.clear();
+  if (closed_ || closing_after_flush_) return;
+  if (sink.fatal) {
+    fail_after_notice(static_cast<std::uint32_t>(ErrorCode::ProtocolError), sink.error);
+    return;
+  }
+  if (!has_payload(header_.type)) return;
+  sink_ = std::move(sink);
+  sink_intact_ = sink_.dest != nullptr;
+  payload_got_ = 0;
+  if (header_.len == 0) {
+    finish_payload();
+    return;
+  }
+  state_ = ReadState::payload;
+}
+
+void Connection::finish_payload() {
+  state_ = ReadState::header;
+  std::uint64_t tag = sink_.tag;
+  bool intact = sink_intact_ && sink_.dest != nullptr;
+  sink_ = Sink{};
+  handler_.on_payload(*this, header_, tag, intact);
+}
+
+void Connection::fail_after_notice(std::uint32_t code, const std::string& reason) {
+  if (closed_ || closing_after_flush_) return;
+  FrameHeader h;
+  h.type = FrameType::status;
+  h.status = code;
+  send(h, reason.substr(0, kMaxMessage));
+  closing_after_flush_ = true;
+  close_reason_ = "protocol error: " + reason;
+  if (closed_) return;
+  update_poll();
+  uv_timer_start(timer_, &Connection::on_timer, static_cast<std::uint64_t>(peer_timeout_.count()),
+                 0);
+  if (out_.empty()) fail(close_reason_);
+}
+
+void Connection::fail(const std::string& reason) {
+  if (closed_) return;
+  closed_ = true;
+  close_socket();
+  out_.clear();
+  handler_.on_closed(*this, reason);
+}
+
+}  // namespace ferry::transport::tcp

@@ -1,0 +1,148 @@
+#pragma once
+
+#include <uv.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "transport/tcp/frame.hpp"
+
+namespace ferry::transport::tcp {
+
+/// One TCP connection to a peer, on the loop: a queue of outgoing frames written with
+/// writev straight from their memory, and a receive state machine that reads each frame's
+/// payload straight into the memory its handler names. What the frames mean is the
+/// handler's business.
+class Connection {
+ public:
+  enum class Role { client, server };
+
+  /// Where a frame's payload goes. `dest == nullptr` discards it (a refused write, a read
+  /// response for a cancelled transfer). `fatal` closes the connection with `error`.
+  struct Sink {
+    std::byte* dest = nullptr;
+    std::uint64_t tag = 0;
+    bool fatal = false;
+    std::string error;
+  };
+
+  class Handler {
+   public:
+    virtual ~Handler() = default;
+    /// A frame's header and message arrived. For frames with payload, says where it goes.
+    virtual Sink on_frame(Connection& conn, const FrameHeader& header, std::string message) = 0;
+    /// All of a frame's payload arrived; `intact` is false if its sink was dropped midway.
+    virtual void on_payload(Connection& conn, const FrameHeader& header, std::uint64_t tag,
+                            bool intact) = 0;
+    /// A frame sent with a non-zero tag has left in full (its memory is no longer needed).
+    virtual void on_sent(Connection& conn, std::uint64_t tag) = 0;
+    /// The client's connect() finished.
+    virtual void on_connected(Connection& conn) = 0;
+    /// The connection is closed; called once, possibly from inside another handler call.
+    /// The handler must not destroy the connection before that call has returned.
+    virtual void on_closed(Connection& conn, const std::string& reason) = 0;
+  };
+
+  /// Takes ownership of `fd` (non-blocking). `connecting`: a client whose connect() is under
+  /// way; it is failed if not done within `peer_timeout`.
+  Connection(uv_loop_t* loop, Handler& handler, Role role, int fd, std::uint64_t id,
+             std::string peer_address, std::chrono::milliseconds peer_timeout, bool connecting);
+  /// Closes the socket without calling the handler.
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  std::uint64_t id() const noexcept { return id_; }
+  Role role() const noexcept { return role_; }
+  bool open() const noexcept { return !closed_; }
+  const std::string& peer_address() const noexcept { return peer_address_; }
+  const std::string& peer_name() const noexcept { return peer_name_; }
+  void set_peer_name(std::string name) { peer_name_ = std::move(name); }
+  /// Whether the peer's HELLO has arrived (it must be its first frame).
+  bool greeted() const noexcept { return greeted_; }
+  void set_greeted() noexcept { greeted_ = true; }
+  /// "'name' at 1.2.3.4:5" for messages.
+  std::string describe_peer() const;
+
+  /// Queues a frame. For DATA and WRITE, `payload` holds header.len bytes and must stay valid
+  /// until on_sent(tag) or release(tag); it is read only while writing, on the loop thread.
+  void send(const FrameHeader& header, std::string_view message = {},
+            const std::byte* payload = nullptr, std::uint64_t tag = 0);
+
+  /// Forgets every queued frame tagged `tag`: one partly written keeps going from a private
+  /// copy of its remaining payload; the others are rewritten by `replacement(header, message)`
+  /// when given (into a frame without payload), else dropped. No memory of `tag` is read after this returns.
+  void release(std::uint64_t tag,
+               const std::function<void(FrameHeader&, std::string&)>& replacement = {});
+  /// If a payload for `tag` is being received, the rest of it is discarded.
+  void drop_sink(std::uint64_t tag) noexcept;
+
+  /// Sends a status frame with `code` and closes the connection once it has left (or after
+  /// peer_timeout); for protocol errors, after which the stream cannot be trusted.
+  void fail_after_notice(std::uint32_t code, const std::string& reason);
+  /// Closes now; the handler hears on_closed(reason).
+  void fail(const std::string& reason);
+
+ private:
+  struct OutFrame {
+    FrameHeader header;
+    HeaderBytes header_bytes;
+    std::string message;
+    const std::byte* payload = nullptr;
+    std::unique_ptr<std::byte[]> owned;  // the payload from owned_from on, copied on release()
+    std::uint64_t owned_from = 0;
+    std::uint64_t payload_len = 0;
+    std::uint64_t tag = 0;
+    std::uint64_t sent = 0;  // bytes of header + message + payload written
+    std::uint64_t total() const noexcept {
+      return kHeaderSize + message.size() + payload_len;
+    }
+  };
+  enum class ReadState { header, message, payload };
+
+  static void on_poll(uv_poll_t* handle, int status, int events);
+  static void on_timer(uv_timer_t* handle);
+  void finish_connect();
+  void read_some();
+  void flush();
+  void update_poll();
+  void start_frame();
+  void finish_payload();
+  void close_socket();
+
+  uv_loop_t* loop_;
+  Handler& handler_;
+  Role role_;
+  int fd_;
+  std::uint64_t id_;
+  std::string peer_address_;
+  std::string peer_name_;
+  std::chrono::milliseconds peer_timeout_;
+
+  uv_poll_t* poll_ = nullptr;
+  uv_timer_t* timer_ = nullptr;
+  int poll_events_ = 0;
+  bool connecting_;
+  bool closed_ = false;
+  bool greeted_ = false;
+  bool closing_after_flush_ = false;
+  std::string close_reason_;
+
+  std::deque<OutFrame> out_;
+
+  ReadState state_ = ReadState::header;
+  HeaderBytes header_buf_{};
+  std::size_t header_got_ = 0;
+  FrameHeader header_{};
+  std::string message_;
+  Sink sink_;
+  std::uint64_t payload_got_ = 0;
+  bool sink_intact_ = true;
+};
+
+}  // namespace ferry::transport::tcp

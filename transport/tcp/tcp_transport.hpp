@@ -1,0 +1,132 @@
+#pragma once
+
+#include <uv.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "transport/exposure_table.hpp"
+#include "transport/tcp/connection.hpp"
+#include "transport/tcp/socket.hpp"
+#include "transport/transport.hpp"
+
+namespace ferry::transport::tcp {
+
+class TcpTransfer;
+
+/// ferry's own framed protocol over TCP (docs/protocol.md): one listener; client connections
+/// pooled per peer address and shared by every transfer to that peer; payload bytes read
+/// straight into their destination and written straight from their source.
+class TcpTransport final : public Transport, private Connection::Handler {
+ public:
+  struct Options {
+    std::string bind_address = "127.0.0.1";
+    std::uint16_t port = 0;
+    std::string advertise_address;  ///< empty: the bound address
+    std::uint64_t chunk_size = 2u << 20;
+    std::uint64_t window = 16u << 20;
+    std::uint64_t max_request = 16u << 20;
+    std::chrono::milliseconds peer_timeout{2000};
+    std::string local_name;  ///< sent in HELLO, shown in peers' errors
+  };
+  /// Runs `task` after the current loop callback (EventLoop::defer).
+  using Defer = std::function<void(std::function<void()>)>;
+
+  /// Binds and listens. Throws Error(InvalidArgument) for a bad address, Error(Internal) when
+  /// the socket cannot be bound.
+  TcpTransport(uv_loop_t* loop, Defer defer, Options options);
+  ~TcpTransport() override;
+
+  const Capabilities& capabilities() const override { return caps_; }
+  std::vector<Endpoint> endpoints() const override;
+  void expose(const Exposure& exposure, ExposureObserver& observer) override;
+  void revoke(std::uint64_t id, const Error& reason) override;
+  std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
+  void close() override;
+
+ private:
+  friend class TcpTransfer;
+
+  Connection::Handler& handler() noexcept { return *this; }
+
+  enum class PendingKind { read_chunk, write_chunk, done };
+  struct Pending {
+    std::uint64_t transfer = 0;  ///< 0: nobody waits for the answer
+    PendingKind kind = PendingKind::done;
+    std::byte* local = nullptr;
+    std::uint64_t len = 0;
+    std::uint64_t conn = 0;
+  };
+  struct Serving {
+    std::uint64_t frames_queued = 0;  ///< DATA frames not yet fully written
+    bool done_pending = false;        ///< the peer said done; finish once frames_queued is 0
+  };
+
+  // Connection::Handler
+  Connection::Sink on_frame(Connection& conn, const FrameHeader& h, std::string message) override;
+  void on_payload(Connection& conn, const FrameHeader& h, std::uint64_t tag, bool intact) override;
+  void on_sent(Connection& conn, std::uint64_t tag) override;
+  void on_connected(Connection& conn) override;
+  void on_closed(Connection& conn, const std::string& reason) override;
+
+  // Server side.
+  Connection::Sink serve_frame(Connection& conn, const FrameHeader& h, std::string message);
+  void serve_read(Connection& conn, const FrameHeader& h);
+  Connection::Sink serve_write(Connection& conn, const FrameHeader& h);
+  void serve_done(Connection& conn, const FrameHeader& h, const std::string& message);
+  void claim(ExposureTable::Entry& entry, Connection& conn);
+  void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
+  void reply_status(Connection& conn, std::uint64_t req, ErrorCode code, const std::string& msg);
+  void reply_ok(Connection& conn, std::uint64_t req);
+
+  // Client side.
+  Connection::Sink client_frame(Connection& conn, const FrameHeader& h, std::string message);
+  Connection* connect_to(const SocketAddress& address, const std::string& peer_name,
+                         std::string& error);
+  void pump(TcpTransfer& t);
+  void chunk_done(TcpTransfer& t, std::uint64_t req, std::uint64_t len);
+  void finish_transfer(TcpTransfer& t, std::optional<Error> error);
+  void cancel_transfer(TcpTransfer& t, const Error& reason);
+  void forget_transfer(TcpTransfer& t);
+  void send_done(Connection& conn, const TcpTransfer& t, const Error* error);
+
+  // Listener.
+  static void on_listen(uv_poll_t* handle, int status, int events);
+  void accept_all();
+  void bury(Connection& conn);
+
+  uv_loop_t* loop_;
+  Defer defer_;
+  Options options_;
+  Capabilities caps_;
+  std::string advertised_;
+  bool closed_ = false;
+
+  int listen_fd_ = -1;
+  uv_poll_t* listen_poll_ = nullptr;
+
+  std::uint64_t next_conn_ = 1;
+  std::uint64_t next_req_ = 1;
+  std::uint64_t next_transfer_ = 1;
+  std::unordered_map<std::uint64_t, std::unique_ptr<Connection>> conns_;
+  std::unordered_map<std::string, Connection*> pool_;  ///< client connections by address
+  std::vector<std::unique_ptr<Connection>> graveyard_;
+
+  ExposureTable table_;
+  std::unordered_map<std::uint64_t, ExposureObserver*> exposure_observers_;
+  std::unordered_map<std::uint64_t, Serving> serving_;
+
+  std::unordered_map<std::uint64_t, TcpTransfer*> transfers_;
+  std::unordered_map<std::uint64_t, Pending> pending_;
+
+  /// Deferred notifications hold a weak reference; they do nothing once the transport is gone.
+  std::shared_ptr<int> life_ = std::make_shared<int>(0);
+};
+
+}  // namespace ferry::transport::tcp

@@ -1,0 +1,121 @@
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ferry/error.hpp>
+#include <ferry/rdma_metadata.hpp>
+
+namespace ferry::transport {
+
+/// 128 random bits; a passive operation's access token.
+using Token = std::array<std::uint8_t, 16>;
+
+/// What the peer of a passive operation may do to its memory.
+enum class Access : std::uint8_t { read = 1, write = 2 };
+
+/// A range of this process's memory exposed to a peer.
+struct Region {
+  std::byte* ptr = nullptr;
+  std::uint64_t size = 0;
+};
+
+/// One contiguous piece of an active transfer: `len` bytes at the peer's `remote_addr`
+/// (inside one of its regions) matched with `len` bytes at `local`.
+struct Segment {
+  std::uint64_t remote_addr = 0;
+  std::byte* local = nullptr;
+  std::uint64_t len = 0;
+};
+
+/// What a transport can do; the connector chooses by these, never by name.
+struct Capabilities {
+  std::string method;            ///< the name put into endpoints ("tcp")
+  bool same_host_only = false;   ///< works only between processes of one host
+  bool device_memory = false;    ///< can move CUDA memory
+  bool passive_cpu_free = false; ///< the passive side's CPU does not touch the bytes
+};
+
+/// A passive operation's memory as a transport serves it.
+struct Exposure {
+  std::uint64_t id = 0;
+  Token token{};
+  Access access = Access::read;
+  std::vector<Region> regions;
+};
+
+/// How a transport reports on an exposure. Called on the loop thread, never from inside a
+/// call into the transport, and never after revoke() of that exposure has returned.
+class ExposureObserver {
+ public:
+  virtual ~ExposureObserver() = default;
+  /// A peer presented the token for the first time; the exposure is now bound to it.
+  virtual void on_claimed(const std::string& peer) = 0;
+  /// The peer finished: with no error, all its bytes are in place (write) or it has read
+  /// all it needed (read); with an error, it failed and says why. The exposure is gone.
+  virtual void on_peer_finished(const std::string& peer, const std::optional<Error>& error) = 0;
+  /// The peer's connection dropped before it finished. The exposure is gone.
+  virtual void on_peer_lost(const Error& error) = 0;
+};
+
+/// How a transport reports on an active transfer. Called on the loop thread, never from
+/// inside a call into the transport, and never after the transfer was cancelled.
+class TransferObserver {
+ public:
+  virtual ~TransferObserver() = default;
+  virtual void on_transfer_complete() = 0;
+  virtual void on_transfer_failed(const Error& error) = 0;
+};
+
+/// What an active operation asks of a transport.
+struct TransferSpec {
+  std::uint64_t remote_id = 0;  ///< the passive operation's id at its owner
+  Token token{};
+  Access access = Access::read;  ///< read: remote -> local; write: local -> remote
+  std::vector<Segment> segments;
+  Endpoint endpoint;     ///< one of the passive owner's endpoints, of this transport's method
+  std::string peer_name; ///< for error messages
+};
+
+/// An active transfer under way. Destroying it cancels it.
+class Transfer {
+ public:
+  virtual ~Transfer() = default;
+  /// Stops the transfer and tells the peer `reason`. When it returns, the transport touches
+  /// the local memory no more and the observer is not called again.
+  virtual void cancel(const Error& reason) = 0;
+};
+
+/// A way to move bytes (tcp, cma, verbs). Every method runs on the loop thread.
+///
+/// Cancellation contract: revoke() and Transfer::cancel() are synchronous; when they return,
+/// no byte of that memory is read or written by the transport again, and no observer call
+/// for it follows.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const Capabilities& capabilities() const = 0;
+  /// Where peers reach this transport; put into metadata.
+  virtual std::vector<Endpoint> endpoints() const = 0;
+
+  /// Serves `exposure` to the one peer that presents its token.
+  virtual void expose(const Exposure& exposure, ExposureObserver& observer) = 0;
+  /// Ends serving exposure `id`: its token is dead, and a peer with requests under way is
+  /// answered with `reason`. No effect if unknown.
+  virtual void revoke(std::uint64_t id, const Error& reason) = 0;
+
+  /// Starts an active transfer. Throws Error for a spec it cannot carry out at all
+  /// (e.g. an endpoint address it cannot parse); later failures go to the observer.
+  virtual std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) = 0;
+
+  /// Closes every connection and the listener; every exposure and transfer is dropped
+  /// without observer calls. The transport serves nothing after.
+  virtual void close() = 0;
+};
+
+}  // namespace ferry::transport
