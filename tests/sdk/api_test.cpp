@@ -1,1 +1,187 @@
+// Bad input at the public API gets a clear error at the call that caused it.
 #include <gtest/gtest.h>
+
+#include <ferry/ferry.hpp>
+
+#include <functional>
+
+#include "tests/support/patterns.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+namespace {
+
+void expect_error(const std::function<void()>& call, ErrorCode code, const std::string& point) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected " << to_string(code);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(point), std::string::npos) << e.what();
+  }
+}
+
+TEST(Device, ParsesItsForms) {
+  EXPECT_EQ(Device("host"), Device::host());
+  EXPECT_EQ(Device("cpu"), Device::host());
+  EXPECT_EQ(Device("cuda"), Device::cuda(0));
+  EXPECT_EQ(Device("cuda:7").id(), 7);
+  EXPECT_EQ(Device("cuda:7").kind(), DeviceKind::cuda);
+  EXPECT_EQ(Device::cuda(2).to_string(), "cuda:2");
+  EXPECT_EQ(Device(Device::cuda(2).to_string()), Device::cuda(2));
+}
+
+TEST(Device, RejectsBadStrings) {
+  for (const char* bad : {"", "gpu", "cuda:", "cuda:-1", "cuda:1x", "CUDA:1", "host "}) {
+    expect_error([&] { Device d(bad); }, ErrorCode::InvalidArgument, "is not one of");
+  }
+  expect_error([] { Device::cuda(-1); }, ErrorCode::InvalidArgument, "< 0");
+}
+
+TEST(Descriptor, RefusesNullPointerAndZeroSize) {
+  char byte = 0;
+  expect_error([] { Descriptor d(nullptr, 16); }, ErrorCode::InvalidArgument, "null");
+  expect_error([&] { Descriptor d(&byte, 0); }, ErrorCode::InvalidArgument, "zero");
+  std::vector<int> ints(8);
+  Descriptor d{std::span<int>(ints)};
+  EXPECT_EQ(d.size(), 32u);
+  EXPECT_EQ(d.ptr(), ints.data());
+}
+
+TEST(Error, WhatNamesCodeFieldAndMessage) {
+  Error e(ErrorCode::InvalidMetadata, "must be positive", "descriptors[0].size");
+  EXPECT_STREQ(e.what(), "InvalidMetadata: descriptors[0].size: must be positive");
+  EXPECT_EQ(e.message(), "must be positive");
+  EXPECT_FALSE(e.retryable());
+  EXPECT_TRUE(Error(ErrorCode::PeerLost, "x").retryable());
+  EXPECT_TRUE(Error(ErrorCode::Timeout, "x").retryable());
+}
+
+TEST(OperationHandle, EmptyHandleIsUninitializedAndRefusesCalls) {
+  ReadOperation op;
+  EXPECT_FALSE(op);
+  EXPECT_EQ(op.status(), OperationStatus::uninitialized);
+  expect_error([&] { op.wait_for_completion(); }, ErrorCode::InvalidState, "empty");
+  expect_error([&] { op.cancel(); }, ErrorCode::InvalidState, "empty");
+  ReadableOperation passive;
+  expect_error([&] { (void)passive.metadata(); }, ErrorCode::InvalidState, "empty");
+}
+
+class PairingTest : public ::testing::Test {
+ protected:
+  Connector owner_{test::named("owner")};
+  Connector peer_{test::named("peer")};
+  std::vector<std::byte> a_ = test::buffer(4096);
+  std::vector<std::byte> b_ = test::buffer(4096);
+};
+
+TEST_F(PairingTest, ReadOfAWritableIsAKindMismatch) {
+  auto writable = owner_.create_writable({Descriptor(a_.data(), a_.size())});
+  expect_error([&] { (void)peer_.begin_read(writable.metadata(), {Descriptor(b_.data(), 4096)}); },
+               ErrorCode::KindMismatch, "begin_read needs the metadata of a readable");
+  EXPECT_EQ(writable.status(), OperationStatus::initialized);
+}
+
+TEST_F(PairingTest, WriteToAReadableIsAKindMismatch) {
+  auto readable = owner_.create_readable({Descriptor(a_.data(), a_.size())});
+  expect_error(
+      [&] { (void)peer_.begin_write({Descriptor(b_.data(), 4096)}, readable.metadata()); },
+      ErrorCode::KindMismatch, "begin_write needs the metadata of a writable");
+}
+
+TEST_F(PairingTest, UnequalTotalsAreASizeMismatch) {
+  auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
+  expect_error([&] { (void)peer_.begin_read(readable.metadata(), {Descriptor(b_.data(), 4095)}); },
+               ErrorCode::SizeMismatch, "hold 4096 bytes, the local ones 4095");
+  auto writable = owner_.create_writable({Descriptor(a_.data(), 100), Descriptor(a_.data() + 200, 100)});
+  expect_error([&] { (void)peer_.begin_write({Descriptor(b_.data(), 201)}, writable.metadata()); },
+               ErrorCode::SizeMismatch, "hold 200 bytes, the local ones 201");
+}
+
+TEST_F(PairingTest, EmptyListsAreRefused) {
+  expect_error([&] { (void)owner_.create_readable({}); }, ErrorCode::InvalidArgument, "empty");
+  expect_error([&] { (void)owner_.create_writable({}); }, ErrorCode::InvalidArgument, "empty");
+  auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
+  expect_error([&] { (void)peer_.begin_read(readable.metadata(), {}); },
+               ErrorCode::InvalidArgument, "empty");
+}
+
+TEST_F(PairingTest, DeviceMemoryIsUnsupportedInThisBuild) {
+  expect_error(
+      [&] { (void)owner_.create_readable({Descriptor(a_.data(), 16, Device::cuda(0))}); },
+      ErrorCode::Unsupported, "cuda:0");
+}
+
+TEST_F(PairingTest, MetadataIsValidatedAtBegin) {
+  auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
+  RdmaMetadata m = readable.metadata();
+  m.version = 9;
+  expect_error([&] { (void)peer_.begin_read(m, {Descriptor(b_.data(), 4096)}); },
+               ErrorCode::InvalidMetadata, "unknown version 9");
+}
+
+TEST_F(PairingTest, NoMethodInCommonIsRefused) {
+  auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
+  RdmaMetadata m = readable.metadata();
+  m.endpoints = {{"verbs", "mlx5_0:1"}, {"carrier-pigeon", "loft 3"}};
+  expect_error([&] { (void)peer_.begin_read(m, {Descriptor(b_.data(), 4096)}); },
+               ErrorCode::NoCommonMethod, "offers [verbs, carrier-pigeon]; this connector has [tcp]");
+}
+
+TEST_F(PairingTest, UnparsableTcpAddressIsInvalidMetadata) {
+  auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
+  RdmaMetadata m = readable.metadata();
+  m.endpoints = {{"tcp", "localhost:80"}};
+  expect_error([&] { (void)peer_.begin_read(m, {Descriptor(b_.data(), 4096)}); },
+               ErrorCode::InvalidMetadata, "not a numeric ip:port");
+}
+
+TEST_F(PairingTest, MetadataDescribesTheOperation) {
+  auto readable = owner_.create_readable({Descriptor(a_.data(), 1000), Descriptor(b_.data(), 24)});
+  const RdmaMetadata& m = readable.metadata();
+  EXPECT_EQ(m.operation_kind, OperationKind::read);
+  EXPECT_EQ(m.notification_key, readable.id());
+  EXPECT_EQ(m.owner, owner_.identity());
+  EXPECT_EQ(m.owner.name, "owner");
+  EXPECT_EQ(m.endpoints, owner_.endpoints());
+  ASSERT_EQ(m.descriptors.size(), 2u);
+  EXPECT_EQ(m.descriptors[0].ptr, reinterpret_cast<std::uint64_t>(a_.data()));
+  EXPECT_EQ(m.descriptors[1].size, 24u);
+  EXPECT_EQ(m.token.size(), 32u);
+  auto other = owner_.create_readable({Descriptor(a_.data(), 1000)});
+  EXPECT_NE(other.metadata().token, m.token);
+  EXPECT_NE(other.id(), readable.id());
+}
+
+TEST(ConnectorOptions, BadOptionsAreRefused) {
+  ConnectorOptions o;
+  o.tcp.bind_address = "not-an-ip";
+  expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "not a numeric IP address");
+  o.tcp.bind_address = "0.0.0.0";
+  expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "needs tcp.advertise_address");
+  o = ConnectorOptions{};
+  o.peer_timeout = std::chrono::milliseconds(0);
+  expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "peer_timeout");
+  o = ConnectorOptions{};
+  o.tcp.chunk_size = 1 << 20;
+  o.tcp.window = 1 << 10;
+  expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "tcp.window");
+}
+
+TEST(ConnectorOptions, WildcardBindWithAdvertisedAddressWorks) {
+  ConnectorOptions o;
+  o.tcp.bind_address = "0.0.0.0";
+  o.tcp.advertise_address = "127.0.0.1";
+  Connector owner(o);
+  Connector peer;
+  auto src = test::patterned(512, 5);
+  auto dst = test::buffer(512);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  EXPECT_EQ(readable.metadata().endpoints[0].address.rfind("127.0.0.1:", 0), 0u);
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  read.wait_for_completion();
+  EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 5), -1);
+}
+
+}  // namespace
+}  // namespace ferry

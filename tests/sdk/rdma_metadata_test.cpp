@@ -1,1 +1,166 @@
+// RdmaMetadata: JSON round trip and strict validation, each error by code and field.
 #include <gtest/gtest.h>
+
+#include <ferry/ferry.hpp>
+
+#include <functional>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+namespace ferry {
+namespace {
+
+using json = nlohmann::json;
+
+RdmaMetadata sample() {
+  RdmaMetadata m;
+  m.operation_kind = OperationKind::write;
+  m.notification_key = "0123456789abcdef";
+  m.owner = {"decode-0", "00000000deadbeef", "host-a", 4242};
+  m.endpoints = {{"tcp", "127.0.0.1:4000"}, {"tcp", "[::1]:4000"}};
+  m.descriptors = {{0x7f0000001000, 4096, Device::host()},
+                   {std::numeric_limits<std::uint64_t>::max() - 10, 10, Device::cuda(3)}};
+  m.token = "00112233445566778899aabbccddeeff";
+  return m;
+}
+
+// Runs from_json on `doc` after `mutate`, and expects InvalidMetadata naming `field`.
+void expect_invalid(const std::function<void(json&)>& mutate, const std::string& field,
+                    const std::string& point) {
+  json doc = json::parse(sample().to_json());
+  mutate(doc);
+  try {
+    RdmaMetadata::from_json(doc.dump());
+    ADD_FAILURE() << "accepted: " << doc.dump();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidMetadata) << e.what();
+    EXPECT_EQ(e.field(), field) << e.what();
+    EXPECT_NE(std::string(e.what()).find(point), std::string::npos) << e.what();
+  }
+}
+
+TEST(RdmaMetadata, RoundTripKeepsEveryField) {
+  RdmaMetadata m = sample();
+  RdmaMetadata back = RdmaMetadata::from_json(m.to_json());
+  EXPECT_EQ(back, m);
+  EXPECT_EQ(back.descriptors[1].device, Device::cuda(3));
+  EXPECT_EQ(back.descriptors[1].ptr, std::numeric_limits<std::uint64_t>::max() - 10);
+  EXPECT_EQ(back.total_size(), 4106u);
+}
+
+TEST(RdmaMetadata, DocumentCarriesAVersion) {
+  json doc = json::parse(sample().to_json());
+  EXPECT_EQ(doc.at("version"), RdmaMetadata::kVersion);
+  EXPECT_EQ(doc.at("operation_kind"), "write");
+}
+
+TEST(RdmaMetadata, RejectsNonJsonAndNonObject) {
+  for (const char* text : {"", "{", "not json", "[1,2]", "42"}) {
+    try {
+      RdmaMetadata::from_json(text);
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidMetadata);
+      EXPECT_EQ(e.field(), "");
+    }
+  }
+}
+
+TEST(RdmaMetadata, RejectsUnknownVersion) {
+  expect_invalid([](json& d) { d["version"] = 2; }, "version", "unknown version 2");
+  expect_invalid([](json& d) { d["version"] = "1"; }, "version", "must be an integer");
+}
+
+TEST(RdmaMetadata, RejectsMissingFields) {
+  for (const char* key :
+       {"version", "operation_kind", "notification_key", "owner", "endpoints", "descriptors",
+        "token"}) {
+    expect_invalid([&](json& d) { d.erase(key); }, key, "missing");
+  }
+  expect_invalid([](json& d) { d["owner"].erase("name"); }, "owner.name", "missing");
+  expect_invalid([](json& d) { d["descriptors"][1].erase("size"); }, "descriptors[1].size",
+                 "missing");
+  expect_invalid([](json& d) { d["endpoints"][0].erase("address"); }, "endpoints[0].address",
+                 "missing");
+}
+
+TEST(RdmaMetadata, RejectsWrongTypes) {
+  expect_invalid([](json& d) { d["operation_kind"] = 1; }, "operation_kind", "must be a string");
+  expect_invalid([](json& d) { d["owner"] = "x"; }, "owner", "must be an object");
+  expect_invalid([](json& d) { d["owner"]["pid"] = "7"; }, "owner.pid", "must be an integer");
+  expect_invalid([](json& d) { d["endpoints"] = json::object(); }, "endpoints",
+                 "must be an array");
+  expect_invalid([](json& d) { d["descriptors"][0] = 5; }, "descriptors[0]",
+                 "must be an object");
+  expect_invalid([](json& d) { d["descriptors"][0]["ptr"] = -1; }, "descriptors[0].ptr",
+                 "non-negative integer");
+  expect_invalid([](json& d) { d["descriptors"][0]["size"] = 1.5; }, "descriptors[0].size",
+                 "non-negative integer");
+  expect_invalid([](json& d) { d["descriptors"][0]["ptr"] = "0x10"; }, "descriptors[0].ptr",
+                 "non-negative integer");
+  expect_invalid([](json& d) { d["token"] = 7; }, "token", "must be a string");
+}
+
+TEST(RdmaMetadata, RejectsUnknownKind) {
+  expect_invalid([](json& d) { d["operation_kind"] = "copy"; }, "operation_kind",
+                 "unknown kind 'copy'");
+  expect_invalid([](json& d) { d["operation_kind"] = "unspecified"; }, "operation_kind",
+                 "unknown kind");
+}
+
+TEST(RdmaMetadata, RejectsBadRanges) {
+  expect_invalid([](json& d) { d["descriptors"][0]["size"] = 0; }, "descriptors[0].size",
+                 "greater than zero");
+  expect_invalid([](json& d) { d["descriptors"][0]["ptr"] = 0; }, "descriptors[0].ptr",
+                 "must not be null");
+  expect_invalid(
+      [](json& d) { d["descriptors"][1]["size"] = 11; }, "descriptors[1].size",
+      "ptr + size overflows");
+  expect_invalid([](json& d) { d["descriptors"] = json::array(); }, "descriptors",
+                 "at least one");
+  expect_invalid(
+      [](json& d) {
+        // Each range fits, their sum does not.
+        d["descriptors"][0]["ptr"] = 1;
+        d["descriptors"][0]["size"] = std::numeric_limits<std::uint64_t>::max() - 1;
+        d["descriptors"][1]["ptr"] = 1;
+        d["descriptors"][1]["size"] = 2;
+      },
+      "descriptors[1].size", "total size overflows");
+}
+
+TEST(RdmaMetadata, RejectsBadDeviceKeyAndToken) {
+  expect_invalid([](json& d) { d["descriptors"][0]["device"] = "gpu"; }, "descriptors[0].device",
+                 "not one of");
+  expect_invalid([](json& d) { d["notification_key"] = "123"; }, "notification_key",
+                 "16 lowercase hex");
+  expect_invalid([](json& d) { d["token"] = "00112233445566778899AABBCCDDEEFF"; }, "token",
+                 "32 lowercase hex");
+  expect_invalid([](json& d) { d["token"] = "0011"; }, "token", "32 lowercase hex");
+  expect_invalid([](json& d) { d["endpoints"] = json::array(); }, "endpoints", "at least one");
+  expect_invalid([](json& d) { d["endpoints"][0]["method"] = ""; }, "endpoints[0].method",
+                 "must not be empty");
+}
+
+TEST(RdmaMetadata, ValidateChecksHandBuiltValues) {
+  RdmaMetadata m = sample();
+  EXPECT_NO_THROW(m.validate());
+  m.descriptors[0].size = 0;
+  try {
+    m.validate();
+    ADD_FAILURE() << "accepted a zero-size descriptor";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidMetadata);
+    EXPECT_EQ(e.field(), "descriptors[0].size");
+  }
+}
+
+TEST(RdmaMetadata, IgnoresUnknownExtraFieldsOfTheSameVersion) {
+  json doc = json::parse(sample().to_json());
+  doc["future_field"] = {1, 2, 3};
+  EXPECT_EQ(RdmaMetadata::from_json(doc.dump()), sample());
+}
+
+}  // namespace
+}  // namespace ferry

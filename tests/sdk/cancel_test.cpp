@@ -1,0 +1,250 @@
+// Cancel mid-transfer on each of the four operation kinds, deadlines, and what a late peer
+// meets afterwards.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include <ferry/ferry.hpp>
+
+#include "tests/support/patterns.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr std::size_t kBig = std::size_t{256} << 20;
+constexpr std::byte kSentinel{0xab};
+
+// A connector whose transfers move one small chunk per round trip, so that a 256 MiB
+// transfer takes seconds and a cancel surely lands in the middle of it.
+ConnectorOptions slow(std::string name) {
+  ConnectorOptions o = test::named(std::move(name));
+  o.tcp.chunk_size = 4096;
+  o.tcp.window = 4096;
+  return o;
+}
+
+std::unique_ptr<std::byte[]> big_buffer(std::byte fill) {
+  auto buf = std::make_unique<std::byte[]>(kBig);
+  std::memset(buf.get(), static_cast<int>(fill), kBig);
+  return buf;
+}
+
+// Polls every millisecond, at most `limit`; tests only.
+template <class F>
+bool eventually(F done, std::chrono::milliseconds limit = 10s) {
+  auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+// Waits for `op` to end and returns its error code (the test fails if it completed).
+ErrorCode ended_with(const Operation& op, std::chrono::seconds limit = 30s) {
+  try {
+    if (!op.wait_for_completion(limit)) {
+      ADD_FAILURE() << "did not end in time";
+      return ErrorCode::Internal;
+    }
+    ADD_FAILURE() << "completed";
+    return ErrorCode::Internal;
+  } catch (const Error& e) {
+    return e.code();
+  }
+}
+
+bool all_equal(const std::byte* data, std::size_t size, std::byte value) {
+  for (std::size_t i = 0; i < size; ++i)
+    if (data[i] != value) return false;
+  return true;
+}
+
+TEST(Cancel, ActiveReadMidTransfer) {
+  Connector owner(test::named("owner"));
+  Connector reader(slow("reader"));
+  auto src = big_buffer(std::byte{0x11});
+  auto dst = big_buffer(std::byte{0});
+  auto readable = owner.create_readable({Descriptor(src.get(), kBig)});
+  auto read = reader.begin_read(readable.metadata(), {Descriptor(dst.get(), kBig)});
+  ASSERT_TRUE(eventually([&] { return readable.status() == OperationStatus::in_progress; }));
+  read.cancel();
+  EXPECT_EQ(read.status(), OperationStatus::cancelled);
+  EXPECT_EQ(read.error()->code(), ErrorCode::Cancelled);
+  // From here on the destination is ours again: nothing may land in it.
+  std::memset(dst.get(), static_cast<int>(kSentinel), kBig);
+  // The owner hears of the cancel from the reader and fails its side with that reason.
+  EXPECT_EQ(ended_with(readable), ErrorCode::Cancelled);
+  EXPECT_NE(readable.error()->message().find("reader"), std::string::npos)
+      << readable.error()->message();
+  EXPECT_TRUE(all_equal(dst.get(), kBig, kSentinel));
+  // A late attempt with the same metadata finds a dead token.
+  auto again = reader.begin_read(readable.metadata(), {Descriptor(dst.get(), kBig)});
+  EXPECT_EQ(ended_with(again), ErrorCode::AccessDenied);
+}
+
+TEST(Cancel, PassiveReadableMidTransfer) {
+  Connector owner(test::named("owner"));
+  Connector reader(slow("reader"));
+  auto src = big_buffer(std::byte{0x11});
+  auto dst = big_buffer(std::byte{0});
+  auto readable = owner.create_readable({Descriptor(src.get(), kBig)});
+  auto read = reader.begin_read(readable.metadata(), {Descriptor(dst.get(), kBig)});
+  ASSERT_TRUE(eventually([&] { return readable.status() == OperationStatus::in_progress; }));
+  readable.cancel();
+  EXPECT_EQ(readable.status(), OperationStatus::cancelled);
+  // The source may be reused at once: no byte sent after this may come from it.
+  std::memset(src.get(), static_cast<int>(kSentinel), kBig);
+  ErrorCode code = ended_with(read);
+  EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied)
+      << to_string(code);
+  for (std::size_t i = 0; i < kBig; ++i) {
+    if (dst[i] != std::byte{0x11} && dst[i] != std::byte{0}) {
+      ADD_FAILURE() << "byte " << i << " came from reused memory";
+      break;
+    }
+  }
+}
+
+TEST(Cancel, ActiveWriteMidTransfer) {
+  Connector owner(test::named("owner"));
+  Connector writer(slow("writer"));
+  auto src = big_buffer(std::byte{0x22});
+  auto dst = big_buffer(std::byte{0});
+  auto writable = owner.create_writable({Descriptor(dst.get(), kBig)});
+  auto write = writer.begin_write({Descriptor(src.get(), kBig)}, writable.metadata());
+  ASSERT_TRUE(eventually([&] { return writable.status() == OperationStatus::in_progress; }));
+  write.cancel();
+  EXPECT_EQ(write.status(), OperationStatus::cancelled);
+  std::memset(src.get(), static_cast<int>(kSentinel), kBig);
+  EXPECT_EQ(ended_with(writable), ErrorCode::Cancelled);
+  for (std::size_t i = 0; i < kBig; ++i) {
+    if (dst[i] != std::byte{0x22} && dst[i] != std::byte{0}) {
+      ADD_FAILURE() << "byte " << i << " came from reused memory";
+      break;
+    }
+  }
+}
+
+TEST(Cancel, PassiveWritableMidTransfer) {
+  Connector owner(test::named("owner"));
+  Connector writer(slow("writer"));
+  auto src = big_buffer(std::byte{0x22});
+  auto dst = big_buffer(std::byte{0});
+  auto writable = owner.create_writable({Descriptor(dst.get(), kBig)});
+  auto write = writer.begin_write({Descriptor(src.get(), kBig)}, writable.metadata());
+  ASSERT_TRUE(eventually([&] { return writable.status() == OperationStatus::in_progress; }));
+  writable.cancel();
+  EXPECT_EQ(writable.status(), OperationStatus::cancelled);
+  std::memset(dst.get(), static_cast<int>(kSentinel), kBig);
+  ErrorCode code = ended_with(write);
+  EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied)
+      << to_string(code);
+  EXPECT_TRUE(all_equal(dst.get(), kBig, kSentinel)) << "a byte landed after cancel()";
+}
+
+TEST(Cancel, DestroyingAnUnfinishedPassiveOperationKillsItsToken) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  auto src = test::patterned(4096, 1);
+  auto dst = test::buffer(4096);
+  RdmaMetadata meta;
+  {
+    auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+    meta = readable.metadata();
+  }
+  auto read = peer.begin_read(meta, {Descriptor(dst.data(), dst.size())});
+  EXPECT_EQ(ended_with(read), ErrorCode::AccessDenied);
+  EXPECT_TRUE(all_equal(dst.data(), dst.size(), std::byte{0}));
+}
+
+TEST(Cancel, CancelAfterCompletionChangesNothing) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  auto src = test::patterned(4096, 1);
+  auto dst = test::buffer(4096);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  read.wait_for_completion();
+  read.cancel();
+  EXPECT_EQ(read.status(), OperationStatus::complete);
+  EXPECT_FALSE(read.error().has_value());
+}
+
+TEST(Deadline, PassiveOperationWithoutPeerTimesOutAndItsTokenDies) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  auto src = test::patterned(4096, 1);
+  auto dst = test::buffer(4096);
+  OperationOptions o;
+  o.timeout = 100ms;
+  auto start = std::chrono::steady_clock::now();
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())}, o);
+  EXPECT_EQ(ended_with(readable), ErrorCode::Timeout);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 100ms);
+  EXPECT_NE(readable.error()->message().find("100 ms"), std::string::npos);
+  auto late = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  EXPECT_EQ(ended_with(late), ErrorCode::AccessDenied);
+  EXPECT_NE(late.error()->message().find("no live operation"), std::string::npos)
+      << late.error()->message();
+}
+
+TEST(Deadline, ActiveOperationTimesOutAndTellsThePeer) {
+  Connector owner(test::named("owner"));
+  Connector reader(slow("reader"));
+  auto src = big_buffer(std::byte{0x11});
+  auto dst = big_buffer(std::byte{0});
+  auto readable = owner.create_readable({Descriptor(src.get(), kBig)});
+  OperationOptions o;
+  o.timeout = 200ms;
+  auto read = reader.begin_read(readable.metadata(), {Descriptor(dst.get(), kBig)}, o);
+  EXPECT_EQ(ended_with(read), ErrorCode::Timeout);
+  EXPECT_EQ(ended_with(readable), ErrorCode::Timeout);
+  EXPECT_NE(readable.error()->message().find("reader"), std::string::npos);
+}
+
+TEST(Deadline, ConnectorDefaultAppliesWhenTheOperationSetsNone) {
+  ConnectorOptions options = test::named("owner");
+  options.default_timeout = 50ms;
+  Connector owner(options);
+  auto src = test::patterned(64, 1);
+  auto readable = owner.create_writable({Descriptor(src.data(), src.size())});
+  EXPECT_EQ(ended_with(readable), ErrorCode::Timeout);
+}
+
+TEST(Deadline, NegativeTimeoutIsRefused) {
+  Connector owner(test::named("owner"));
+  auto src = test::patterned(64, 1);
+  OperationOptions o;
+  o.timeout = -5ms;
+  EXPECT_THROW((void)owner.create_readable({Descriptor(src.data(), src.size())}, o), Error);
+}
+
+TEST(Shutdown, ClosingTheOwnerMidTransferErrorsThePeerNamingIt) {
+  auto owner = std::make_unique<Connector>(test::named("closing-owner"));
+  Connector reader(slow("reader"));
+  auto src = big_buffer(std::byte{0x11});
+  auto dst = big_buffer(std::byte{0});
+  auto readable = owner->create_readable({Descriptor(src.get(), kBig)});
+  auto read = reader.begin_read(readable.metadata(), {Descriptor(dst.get(), kBig)});
+  ASSERT_TRUE(eventually([&] { return readable.status() == OperationStatus::in_progress; }));
+  owner.reset();
+  // The owner's handle outlives its connector and reports why it ended.
+  EXPECT_EQ(readable.status(), OperationStatus::cancelled);
+  EXPECT_NE(readable.error()->message().find("connector was closed"), std::string::npos);
+  EXPECT_NO_THROW(readable.cancel());
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(ended_with(read), ErrorCode::PeerLost);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+  EXPECT_NE(read.error()->message().find("closing-owner"), std::string::npos)
+      << read.error()->message();
+}
+
+}  // namespace
+}  // namespace ferry

@@ -1,0 +1,191 @@
+// The loop contract: embedded mode, callbacks on the loop thread, blocking refused there,
+// calls from many threads.
+#include <gtest/gtest.h>
+
+#include <uv.h>
+
+#include <atomic>
+#include <future>
+#include <thread>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+
+#include "sidechannel/event_loop.hpp"
+#include "tests/support/patterns.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(EventLoop, CallRunsOnTheLoopThreadAndReturnsOrRethrows) {
+  sidechannel::EventLoop loop;
+  std::thread::id here = std::this_thread::get_id();
+  std::thread::id there = loop.call([] { return std::this_thread::get_id(); });
+  EXPECT_NE(there, here);
+  EXPECT_FALSE(loop.in_loop_thread());
+  EXPECT_TRUE(loop.call([&] { return loop.in_loop_thread(); }));
+  EXPECT_THROW(loop.call([]() -> int { throw Error(ErrorCode::Internal, "boom"); }), Error);
+  loop.close(nullptr);
+  EXPECT_FALSE(loop.post([] {}));
+  try {
+    loop.call([] { return 1; });
+    ADD_FAILURE() << "call on a closed loop";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidState);
+  }
+}
+
+TEST(EventLoop, DeferredTasksRunAfterTheCurrentOneInOrder) {
+  sidechannel::EventLoop loop;
+  std::vector<int> order;
+  loop.call([&] {
+    loop.defer([&] { order.push_back(2); });
+    loop.defer([&] { order.push_back(3); });
+    order.push_back(1);
+  });
+  loop.call([] {});  // a full turn later
+  loop.call([] {});
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+}
+
+TEST(Threading, CompletionCallbacksRunOnTheLoopThread) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  auto src = test::patterned(1 << 16, 7);
+  auto dst = test::buffer(1 << 16);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  std::promise<std::pair<std::thread::id, OperationStatus>> seen;
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  read.on_complete([&](OperationStatus s, const Error* e) {
+    EXPECT_EQ(e, nullptr);
+    seen.set_value({std::this_thread::get_id(), s});
+  });
+  auto [thread, status] = seen.get_future().get();
+  EXPECT_NE(thread, std::this_thread::get_id());
+  EXPECT_EQ(status, OperationStatus::complete);
+
+  // Registered after the end, it still runs once, on the loop thread.
+  std::promise<std::thread::id> late;
+  read.on_complete([&](OperationStatus, const Error*) { late.set_value(std::this_thread::get_id()); });
+  EXPECT_EQ(late.get_future().get(), thread);
+}
+
+TEST(Threading, BlockingWaitOnTheLoopThreadIsRefused) {
+  Connector owner(test::named("owner"));
+  auto src = test::patterned(64, 1);
+  auto first = owner.create_readable({Descriptor(src.data(), src.size())});
+  auto second = owner.create_writable({Descriptor(src.data(), src.size())});
+  std::promise<ErrorCode> refused;
+  first.on_complete([&](OperationStatus, const Error*) {
+    try {
+      second.wait_for_completion();
+      refused.set_value(ErrorCode::Internal);
+    } catch (const Error& e) {
+      refused.set_value(e.code());
+    }
+  });
+  first.cancel();
+  EXPECT_EQ(refused.get_future().get(), ErrorCode::WrongThread);
+}
+
+TEST(Threading, ErrorCallbackCarriesTheReason) {
+  Connector owner(test::named("owner"));
+  auto src = test::patterned(64, 1);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  std::promise<std::pair<OperationStatus, ErrorCode>> seen;
+  readable.on_complete([&](OperationStatus s, const Error* e) {
+    seen.set_value({s, e != nullptr ? e->code() : ErrorCode::Internal});
+  });
+  readable.cancel();
+  auto [status, code] = seen.get_future().get();
+  EXPECT_EQ(status, OperationStatus::cancelled);
+  EXPECT_EQ(code, ErrorCode::Cancelled);
+}
+
+TEST(Threading, ManyThreadsStartOperationsOnOneConnector) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  constexpr int kThreads = 8;
+  constexpr int kPerThread = 16;
+  constexpr std::size_t kSize = 8192;
+  std::atomic<int> verified{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) {
+        std::uint64_t seed = static_cast<std::uint64_t>(t * 1000 + i + 1);
+        auto src = test::patterned(kSize, seed);
+        auto dst = test::buffer(kSize);
+        auto readable = owner.create_readable({Descriptor(src.data(), kSize)});
+        auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), kSize)});
+        if (read.wait_for_completion(30s) && readable.wait_for_completion(30s) &&
+            test::first_mismatch(dst.data(), kSize, seed) == -1)
+          ++verified;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(verified.load(), kThreads * kPerThread);
+}
+
+// Runs `loop` until `done` or until `limit` turns; the loop holds a timer so it never idles
+// for long inside one turn.
+template <class F>
+bool run_until(uv_loop_t* loop, F done, int limit = 100000) {
+  for (int i = 0; i < limit && !done(); ++i) uv_run(loop, UV_RUN_ONCE);
+  return done();
+}
+
+TEST(Embedded, ConnectorOnACallerOwnedLoopCompletesTransfers) {
+  uv_loop_t loop;
+  ASSERT_EQ(uv_loop_init(&loop), 0);
+  // A ticking timer of the caller's own, as an embedding worker would have.
+  uv_timer_t tick;
+  uv_timer_init(&loop, &tick);
+  int ticks = 0;
+  tick.data = &ticks;
+  uv_timer_start(&tick, [](uv_timer_t* t) { ++*static_cast<int*>(t->data); }, 1, 1);
+
+  Connector remote(test::named("remote"));
+  auto src = test::patterned(1 << 20, 9);
+  auto back = test::buffer(1 << 20);
+  {
+    ConnectorOptions options = test::named("embedded");
+    options.loop = &loop;
+    Connector embedded(options);
+    auto dst = test::buffer(1 << 20);
+    auto readable = remote.create_readable({Descriptor(src.data(), src.size())});
+    auto read = embedded.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+    bool called = false;
+    read.on_complete([&](OperationStatus s, const Error*) {
+      called = s == OperationStatus::complete;
+    });
+    ASSERT_TRUE(run_until(&loop, [&] { return called; }));
+    EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 9), -1);
+
+    // Blocking on the embedding thread would stall the loop: refused.
+    EXPECT_THROW(read.wait_for_completion(), Error);
+
+    // The other direction: the embedded connector serves a writable to a foreign peer, whose
+    // thread blocks while this thread runs the loop.
+    auto writable = embedded.create_writable({Descriptor(back.data(), back.size())});
+    auto pushed = std::async(std::launch::async, [&] {
+      auto write = remote.begin_write({Descriptor(src.data(), src.size())}, writable.metadata());
+      return write.wait_for_completion(30s);
+    });
+    ASSERT_TRUE(run_until(&loop, [&] { return writable.status() == OperationStatus::complete; }));
+    EXPECT_TRUE(pushed.get());
+  }
+  EXPECT_EQ(test::first_mismatch(back.data(), back.size(), 9), -1);
+  EXPECT_GT(ticks, 0);
+  uv_close(reinterpret_cast<uv_handle_t*>(&tick), nullptr);
+  // Everything the connector opened closes within a few turns; then the loop is empty.
+  uv_run(&loop, UV_RUN_DEFAULT);
+  EXPECT_EQ(uv_loop_close(&loop), 0);
+}
+
+}  // namespace
+}  // namespace ferry
