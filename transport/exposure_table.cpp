@@ -66,11 +66,25 @@ ExposureTable::Entry& ExposureTable::add(const Exposure& exposure, ExposureObser
   Entry entry;
   entry.exposure = exposure;
   entry.observer = &observer;
-  entry.by_address.resize(exposure.regions.size());
-  for (std::size_t i = 0; i < entry.by_address.size(); ++i) entry.by_address[i] = i;
-  std::sort(entry.by_address.begin(), entry.by_address.end(), [&](std::size_t a, std::size_t b) {
-    return exposure.regions[a].ptr < exposure.regions[b].ptr;
-  });
+  // Merging makes the check independent of how the caller cut its memory: a descriptor
+  // nested in another, or two that touch, grant exactly the bytes they cover together.
+  std::vector<Region> sorted = exposure.regions;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Region& a, const Region& b) { return a.ptr < b.ptr; });
+  auto start = [](const Region& r) { return reinterpret_cast<std::uint64_t>(r.ptr); };
+  for (const Region& r : sorted) {
+    if (!entry.spans.empty()) {
+      Region& last = entry.spans.back();
+      // Regions are real local memory, so start + size does not wrap.
+      const std::uint64_t last_end = start(last) + last.size;
+      if (start(r) <= last_end) {
+        const std::uint64_t end = start(r) + r.size;
+        if (end > last_end) last.size = end - start(last);
+        continue;
+      }
+    }
+    entry.spans.push_back(r);
+  }
   auto [it, inserted] = entries_.emplace(exposure.id, std::move(entry));
   if (!inserted) throw Error(ErrorCode::Internal, "exposure id already in use");
   return it->second;
@@ -109,14 +123,13 @@ ExposureTable::Verdict ExposureTable::check(std::uint64_t id, const Token& token
     v.entry = entry;
     return v;
   }
-  const auto& regions = entry->exposure.regions;
-  // The last region starting at or below addr is the only one that can hold the range.
-  auto it = std::upper_bound(entry->by_address.begin(), entry->by_address.end(), addr,
-                             [&](std::uint64_t a, std::size_t idx) {
-                               return a < reinterpret_cast<std::uint64_t>(regions[idx].ptr);
-                             });
-  if (it != entry->by_address.begin()) {
-    const Region& r = regions[*std::prev(it)];
+  // The spans are disjoint: the last one starting at or below addr is the only candidate.
+  const auto& spans = entry->spans;
+  auto it = std::upper_bound(
+      spans.begin(), spans.end(), addr,
+      [](std::uint64_t a, const Region& r) { return a < reinterpret_cast<std::uint64_t>(r.ptr); });
+  if (it != spans.begin()) {
+    const Region& r = *std::prev(it);
     if (range_inside(r, addr, len)) {
       v.entry = entry;
       v.ptr = r.ptr + (addr - reinterpret_cast<std::uint64_t>(r.ptr));

@@ -31,7 +31,9 @@ class ExposureTable {
     ExposureObserver* observer = nullptr;
     std::uint64_t bound_to = 0;  ///< the connection (transport-defined id) that claimed it
     std::string peer;            ///< the claiming peer's name
-    std::vector<std::size_t> by_address;  ///< region indexes sorted by address
+    /// The memory the token grants: the regions merged where they overlap or touch, sorted
+    /// by address, disjoint. Requests are checked against these.
+    std::vector<Region> spans;
   };
 
   struct Verdict {

@@ -35,10 +35,10 @@ struct Segment {
 
 /// What a transport can do; the connector chooses by these, never by name.
 struct Capabilities {
-  std::string method;            ///< the name put into endpoints ("tcp")
-  bool same_host_only = false;   ///< works only between processes of one host
-  bool device_memory = false;    ///< can move CUDA memory
-  bool passive_cpu_free = false; ///< the passive side's CPU does not touch the bytes
+  std::string method;             ///< the name put into endpoints ("tcp")
+  bool same_host_only = false;    ///< works only between processes of one host
+  bool device_memory = false;     ///< can move CUDA memory
+  bool passive_cpu_free = false;  ///< the passive side's CPU does not touch the bytes
 };
 
 /// A passive operation's memory as a transport serves it.
@@ -78,8 +78,8 @@ struct TransferSpec {
   Token token{};
   Access access = Access::read;  ///< read: remote -> local; write: local -> remote
   std::vector<Segment> segments;
-  Endpoint endpoint;     ///< one of the passive owner's endpoints, of this transport's method
-  std::string peer_name; ///< for error messages
+  Endpoint endpoint;      ///< one of the passive owner's endpoints, of this transport's method
+  std::string peer_name;  ///< for error messages
 };
 
 /// An active transfer under way. Destroying it cancels it.

@@ -93,7 +93,8 @@ std::chrono::milliseconds Core::effective_timeout(const OperationOptions& o) con
   return o.timeout.count() > 0 ? o.timeout : options.default_timeout;
 }
 
-std::pair<transport::Transport*, Endpoint> Core::choose_transport(const RdmaMetadata& remote) const {
+std::pair<transport::Transport*, Endpoint> Core::choose_transport(
+    const RdmaMetadata& remote) const {
   // The peer lists its endpoints best first; take the first one a transport here can serve.
   for (const Endpoint& e : remote.endpoints)
     for (const auto& t : transports)
@@ -101,8 +102,7 @@ std::pair<transport::Transport*, Endpoint> Core::choose_transport(const RdmaMeta
   std::string offered;
   for (const Endpoint& e : remote.endpoints) offered += (offered.empty() ? "" : ", ") + e.method;
   std::string ours;
-  for (const auto& t : transports)
-    ours += (ours.empty() ? "" : ", ") + t->capabilities().method;
+  for (const auto& t : transports) ours += (ours.empty() ? "" : ", ") + t->capabilities().method;
   throw Error(ErrorCode::NoCommonMethod, "peer '" + remote.owner.name + "' offers [" + offered +
                                              "]; this connector has [" + ours + "]");
 }
@@ -195,10 +195,9 @@ void check_pairing(const RdmaMetadata& remote, OperationKind wanted, const char*
   }
   check_local(local);
   if (remote.total_size() != total_of(local))
-    throw Error(ErrorCode::SizeMismatch, "the remote descriptors hold " +
-                                             std::to_string(remote.total_size()) +
-                                             " bytes, the local ones " +
-                                             std::to_string(total_of(local)));
+    throw Error(ErrorCode::SizeMismatch,
+                "the remote descriptors hold " + std::to_string(remote.total_size()) +
+                    " bytes, the local ones " + std::to_string(total_of(local)));
 }
 
 }  // namespace
@@ -218,18 +217,16 @@ ReadableOperation Connector::create_readable(std::vector<Descriptor> local,
                                              OperationOptions options) {
   check_local(local);
   auto timeout = core_->effective_timeout(options);
-  return ReadableOperation(core_->loop->call([&] {
-    return core_->create_passive(OperationKind::read, std::move(local), timeout);
-  }));
+  return ReadableOperation(core_->loop->call(
+      [&] { return core_->create_passive(OperationKind::read, std::move(local), timeout); }));
 }
 
 WritableOperation Connector::create_writable(std::vector<Descriptor> local,
                                              OperationOptions options) {
   check_local(local);
   auto timeout = core_->effective_timeout(options);
-  return WritableOperation(core_->loop->call([&] {
-    return core_->create_passive(OperationKind::write, std::move(local), timeout);
-  }));
+  return WritableOperation(core_->loop->call(
+      [&] { return core_->create_passive(OperationKind::write, std::move(local), timeout); }));
 }
 
 ReadOperation Connector::begin_read(const RdmaMetadata& remote, std::vector<Descriptor> local,

@@ -111,9 +111,9 @@ class OperationState final : public transport::ExposureObserver,
   std::atomic<OperationStatus> status_{OperationStatus::initialized};
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  std::optional<Error> error_;              // guarded by mu_
-  std::vector<CompletionCallback> waiting_; // guarded by mu_
-  uv_timer_t* deadline_ = nullptr;          // loop thread only
+  std::optional<Error> error_;               // guarded by mu_
+  std::vector<CompletionCallback> waiting_;  // guarded by mu_
+  uv_timer_t* deadline_ = nullptr;           // loop thread only
   std::chrono::milliseconds timeout_{0};
 };
 

@@ -4,21 +4,36 @@ namespace ferry {
 
 std::string_view to_string(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::InvalidArgument: return "InvalidArgument";
-    case ErrorCode::InvalidMetadata: return "InvalidMetadata";
-    case ErrorCode::KindMismatch: return "KindMismatch";
-    case ErrorCode::SizeMismatch: return "SizeMismatch";
-    case ErrorCode::NoCommonMethod: return "NoCommonMethod";
-    case ErrorCode::AccessDenied: return "AccessDenied";
-    case ErrorCode::Timeout: return "Timeout";
-    case ErrorCode::Cancelled: return "Cancelled";
-    case ErrorCode::PeerLost: return "PeerLost";
-    case ErrorCode::ProtocolError: return "ProtocolError";
-    case ErrorCode::WrongThread: return "WrongThread";
-    case ErrorCode::InvalidState: return "InvalidState";
-    case ErrorCode::Unsupported: return "Unsupported";
-    case ErrorCode::SideChannel: return "SideChannel";
-    case ErrorCode::Internal: return "Internal";
+    case ErrorCode::InvalidArgument:
+      return "InvalidArgument";
+    case ErrorCode::InvalidMetadata:
+      return "InvalidMetadata";
+    case ErrorCode::KindMismatch:
+      return "KindMismatch";
+    case ErrorCode::SizeMismatch:
+      return "SizeMismatch";
+    case ErrorCode::NoCommonMethod:
+      return "NoCommonMethod";
+    case ErrorCode::AccessDenied:
+      return "AccessDenied";
+    case ErrorCode::Timeout:
+      return "Timeout";
+    case ErrorCode::Cancelled:
+      return "Cancelled";
+    case ErrorCode::PeerLost:
+      return "PeerLost";
+    case ErrorCode::ProtocolError:
+      return "ProtocolError";
+    case ErrorCode::WrongThread:
+      return "WrongThread";
+    case ErrorCode::InvalidState:
+      return "InvalidState";
+    case ErrorCode::Unsupported:
+      return "Unsupported";
+    case ErrorCode::SideChannel:
+      return "SideChannel";
+    case ErrorCode::Internal:
+      return "Internal";
   }
   return "Unknown";
 }

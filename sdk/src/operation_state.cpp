@@ -29,8 +29,8 @@ void OperationState::arm(std::chrono::milliseconds timeout) {
   deadline_ = new uv_timer_t{};
   uv_timer_init(core->loop->uv(), deadline_);
   deadline_->data = this;
-  uv_timer_start(deadline_, &OperationState::on_deadline, static_cast<std::uint64_t>(timeout.count()),
-                 0);
+  uv_timer_start(deadline_, &OperationState::on_deadline,
+                 static_cast<std::uint64_t>(timeout.count()), 0);
 }
 
 void OperationState::on_deadline(uv_timer_t* timer) {
@@ -38,10 +38,10 @@ void OperationState::on_deadline(uv_timer_t* timer) {
   if (self == nullptr) return;
   // Keep the state alive through finish(): the table holds it only weakly.
   auto keep = self->shared_from_this();
-  self->finish(OperationStatus::errored,
-               Error(ErrorCode::Timeout, "the operation's deadline of " +
-                                             std::to_string(self->timeout_.count()) +
-                                             " ms passed"));
+  self->finish(
+      OperationStatus::errored,
+      Error(ErrorCode::Timeout, "the operation's deadline of " +
+                                    std::to_string(self->timeout_.count()) + " ms passed"));
 }
 
 void OperationState::finish(OperationStatus final_status, std::optional<Error> error) {
@@ -161,9 +161,7 @@ void OperationState::on_peer_finished(const std::string&, const std::optional<Er
     finish(OperationStatus::complete, std::nullopt);
 }
 
-void OperationState::on_peer_lost(const Error& error) {
-  finish(OperationStatus::errored, error);
-}
+void OperationState::on_peer_lost(const Error& error) { finish(OperationStatus::errored, error); }
 
 void OperationState::on_transfer_complete() { finish(OperationStatus::complete, std::nullopt); }
 

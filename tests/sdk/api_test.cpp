@@ -84,16 +84,16 @@ TEST_F(PairingTest, ReadOfAWritableIsAKindMismatch) {
 
 TEST_F(PairingTest, WriteToAReadableIsAKindMismatch) {
   auto readable = owner_.create_readable({Descriptor(a_.data(), a_.size())});
-  expect_error(
-      [&] { (void)peer_.begin_write({Descriptor(b_.data(), 4096)}, readable.metadata()); },
-      ErrorCode::KindMismatch, "begin_write needs the metadata of a writable");
+  expect_error([&] { (void)peer_.begin_write({Descriptor(b_.data(), 4096)}, readable.metadata()); },
+               ErrorCode::KindMismatch, "begin_write needs the metadata of a writable");
 }
 
 TEST_F(PairingTest, UnequalTotalsAreASizeMismatch) {
   auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
   expect_error([&] { (void)peer_.begin_read(readable.metadata(), {Descriptor(b_.data(), 4095)}); },
                ErrorCode::SizeMismatch, "hold 4096 bytes, the local ones 4095");
-  auto writable = owner_.create_writable({Descriptor(a_.data(), 100), Descriptor(a_.data() + 200, 100)});
+  auto writable =
+      owner_.create_writable({Descriptor(a_.data(), 100), Descriptor(a_.data() + 200, 100)});
   expect_error([&] { (void)peer_.begin_write({Descriptor(b_.data(), 201)}, writable.metadata()); },
                ErrorCode::SizeMismatch, "hold 200 bytes, the local ones 201");
 }
@@ -102,14 +102,13 @@ TEST_F(PairingTest, EmptyListsAreRefused) {
   expect_error([&] { (void)owner_.create_readable({}); }, ErrorCode::InvalidArgument, "empty");
   expect_error([&] { (void)owner_.create_writable({}); }, ErrorCode::InvalidArgument, "empty");
   auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
-  expect_error([&] { (void)peer_.begin_read(readable.metadata(), {}); },
-               ErrorCode::InvalidArgument, "empty");
+  expect_error([&] { (void)peer_.begin_read(readable.metadata(), {}); }, ErrorCode::InvalidArgument,
+               "empty");
 }
 
 TEST_F(PairingTest, DeviceMemoryIsUnsupportedInThisBuild) {
-  expect_error(
-      [&] { (void)owner_.create_readable({Descriptor(a_.data(), 16, Device::cuda(0))}); },
-      ErrorCode::Unsupported, "cuda:0");
+  expect_error([&] { (void)owner_.create_readable({Descriptor(a_.data(), 16, Device::cuda(0))}); },
+               ErrorCode::Unsupported, "cuda:0");
 }
 
 TEST_F(PairingTest, MetadataIsValidatedAtBegin) {
@@ -125,7 +124,8 @@ TEST_F(PairingTest, NoMethodInCommonIsRefused) {
   RdmaMetadata m = readable.metadata();
   m.endpoints = {{"verbs", "mlx5_0:1"}, {"carrier-pigeon", "loft 3"}};
   expect_error([&] { (void)peer_.begin_read(m, {Descriptor(b_.data(), 4096)}); },
-               ErrorCode::NoCommonMethod, "offers [verbs, carrier-pigeon]; this connector has [tcp]");
+               ErrorCode::NoCommonMethod,
+               "offers [verbs, carrier-pigeon]; this connector has [tcp]");
 }
 
 TEST_F(PairingTest, UnparsableTcpAddressIsInvalidMetadata) {

@@ -102,8 +102,7 @@ TEST(Cancel, PassiveReadableMidTransfer) {
   // The source may be reused at once: no byte sent after this may come from it.
   std::memset(src.get(), static_cast<int>(kSentinel), kBig);
   ErrorCode code = ended_with(read);
-  EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied)
-      << to_string(code);
+  EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied) << to_string(code);
   for (std::size_t i = 0; i < kBig; ++i) {
     if (dst[i] != std::byte{0x11} && dst[i] != std::byte{0}) {
       ADD_FAILURE() << "byte " << i << " came from reused memory";
@@ -144,8 +143,7 @@ TEST(Cancel, PassiveWritableMidTransfer) {
   EXPECT_EQ(writable.status(), OperationStatus::cancelled);
   std::memset(dst.get(), static_cast<int>(kSentinel), kBig);
   ErrorCode code = ended_with(write);
-  EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied)
-      << to_string(code);
+  EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied) << to_string(code);
   EXPECT_TRUE(all_equal(dst.get(), kBig, kSentinel)) << "a byte landed after cancel()";
 }
 

@@ -26,10 +26,14 @@ enum class Side { OurReadable, OurWritable, WeRead, WeWrite };
 
 std::string side_name(Side s) {
   switch (s) {
-    case Side::OurReadable: return "ChildReadsOurReadable";
-    case Side::OurWritable: return "ChildWritesOurWritable";
-    case Side::WeRead: return "WeReadChildReadable";
-    case Side::WeWrite: return "WeWriteChildWritable";
+    case Side::OurReadable:
+      return "ChildReadsOurReadable";
+    case Side::OurWritable:
+      return "ChildWritesOurWritable";
+    case Side::WeRead:
+      return "WeReadChildReadable";
+    case Side::WeWrite:
+      return "WeWriteChildWritable";
   }
   return "?";
 }
@@ -94,15 +98,16 @@ TEST_P(CrossProcessTest, TransfersAndVerifies) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllPairings, CrossProcessTest,
-    ::testing::Combine(::testing::Values(Side::OurReadable, Side::OurWritable, Side::WeRead,
-                                         Side::WeWrite),
-                       ::testing::Values(std::size_t{1}, std::size_t{4096}, std::size_t{1} << 20,
-                                         std::size_t{64} << 20)),
-    [](const ::testing::TestParamInfo<std::tuple<Side, std::size_t>>& p) {
-      return side_name(std::get<0>(p.param)) + "_bytes_" + std::to_string(std::get<1>(p.param));
-    });
+INSTANTIATE_TEST_SUITE_P(AllPairings, CrossProcessTest,
+                         ::testing::Combine(::testing::Values(Side::OurReadable, Side::OurWritable,
+                                                              Side::WeRead, Side::WeWrite),
+                                            ::testing::Values(std::size_t{1}, std::size_t{4096},
+                                                              std::size_t{1} << 20,
+                                                              std::size_t{64} << 20)),
+                         [](const ::testing::TestParamInfo<std::tuple<Side, std::size_t>>& p) {
+                           return side_name(std::get<0>(p.param)) + "_bytes_" +
+                                  std::to_string(std::get<1>(p.param));
+                         });
 
 // Large enough that the transfer cannot finish between noticing it started and stopping the
 // child; the child is frozen (SIGSTOP) first, so it is surely mid-transfer when killed.

@@ -73,9 +73,8 @@ TEST(RdmaMetadata, RejectsUnknownVersion) {
 }
 
 TEST(RdmaMetadata, RejectsMissingFields) {
-  for (const char* key :
-       {"version", "operation_kind", "notification_key", "owner", "endpoints", "descriptors",
-        "token"}) {
+  for (const char* key : {"version", "operation_kind", "notification_key", "owner", "endpoints",
+                          "descriptors", "token"}) {
     expect_invalid([&](json& d) { d.erase(key); }, key, "missing");
   }
   expect_invalid([](json& d) { d["owner"].erase("name"); }, "owner.name", "missing");
@@ -89,10 +88,8 @@ TEST(RdmaMetadata, RejectsWrongTypes) {
   expect_invalid([](json& d) { d["operation_kind"] = 1; }, "operation_kind", "must be a string");
   expect_invalid([](json& d) { d["owner"] = "x"; }, "owner", "must be an object");
   expect_invalid([](json& d) { d["owner"]["pid"] = "7"; }, "owner.pid", "must be an integer");
-  expect_invalid([](json& d) { d["endpoints"] = json::object(); }, "endpoints",
-                 "must be an array");
-  expect_invalid([](json& d) { d["descriptors"][0] = 5; }, "descriptors[0]",
-                 "must be an object");
+  expect_invalid([](json& d) { d["endpoints"] = json::object(); }, "endpoints", "must be an array");
+  expect_invalid([](json& d) { d["descriptors"][0] = 5; }, "descriptors[0]", "must be an object");
   expect_invalid([](json& d) { d["descriptors"][0]["ptr"] = -1; }, "descriptors[0].ptr",
                  "non-negative integer");
   expect_invalid([](json& d) { d["descriptors"][0]["size"] = 1.5; }, "descriptors[0].size",
@@ -114,11 +111,9 @@ TEST(RdmaMetadata, RejectsBadRanges) {
                  "greater than zero");
   expect_invalid([](json& d) { d["descriptors"][0]["ptr"] = 0; }, "descriptors[0].ptr",
                  "must not be null");
-  expect_invalid(
-      [](json& d) { d["descriptors"][1]["size"] = 11; }, "descriptors[1].size",
-      "ptr + size overflows");
-  expect_invalid([](json& d) { d["descriptors"] = json::array(); }, "descriptors",
-                 "at least one");
+  expect_invalid([](json& d) { d["descriptors"][1]["size"] = 11; }, "descriptors[1].size",
+                 "ptr + size overflows");
+  expect_invalid([](json& d) { d["descriptors"] = json::array(); }, "descriptors", "at least one");
   expect_invalid(
       [](json& d) {
         // Each range fits, their sum does not.

@@ -111,6 +111,18 @@ TEST_F(ScatterGatherTest, FiveLocalFeedThreeRemoteOnWrite) {
   expect_stream(remote, 32);
 }
 
+TEST_F(ScatterGatherTest, ADescriptorNestedInAnotherHidesNothing) {
+  // A buffer and a view into it, exposed together: the read must get both, in order.
+  auto buf = patterned(4u << 20, 33);
+  auto readable = owner_.create_readable(
+      {Descriptor(buf.data(), buf.size()), Descriptor(buf.data() + (1u << 20), 16)});
+  auto dst = buffer((4u << 20) + 16);
+  auto read = peer_.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  EXPECT_EQ(first_mismatch(dst.data(), 4u << 20, 33), -1);
+  EXPECT_EQ(first_mismatch(dst.data() + (4u << 20), 16, 33, 1u << 20), -1);
+}
+
 TEST(ManyInFlight, TwoHundredFiftySixOperationsShareOneConnection) {
   Connector owner(test::named("owner"));
   Connector peer(test::named("peer"));
@@ -131,8 +143,8 @@ TEST(ManyInFlight, TwoHundredFiftySixOperationsShareOneConnection) {
           peer.begin_read(readables.back().metadata(), {Descriptor(dsts.back().data(), kSize)}));
     } else {
       writables.push_back(owner.create_writable({Descriptor(dsts.back().data(), kSize)}));
-      actives.push_back(peer.begin_write({Descriptor(srcs.back().data(), kSize)},
-                                         writables.back().metadata()));
+      actives.push_back(
+          peer.begin_write({Descriptor(srcs.back().data(), kSize)}, writables.back().metadata()));
     }
   }
   // Every operation was started before any is awaited.

@@ -69,7 +69,8 @@ TEST(Threading, CompletionCallbacksRunOnTheLoopThread) {
 
   // Registered after the end, it still runs once, on the loop thread.
   std::promise<std::thread::id> late;
-  read.on_complete([&](OperationStatus, const Error*) { late.set_value(std::this_thread::get_id()); });
+  read.on_complete(
+      [&](OperationStatus, const Error*) { late.set_value(std::this_thread::get_id()); });
   EXPECT_EQ(late.get_future().get(), thread);
 }
 
@@ -147,7 +148,8 @@ TEST(Embedded, ConnectorOnACallerOwnedLoopCompletesTransfers) {
   uv_timer_init(&loop, &tick);
   int ticks = 0;
   tick.data = &ticks;
-  uv_timer_start(&tick, [](uv_timer_t* t) { ++*static_cast<int*>(t->data); }, 1, 1);
+  uv_timer_start(
+      &tick, [](uv_timer_t* t) { ++*static_cast<int*>(t->data); }, 1, 1);
 
   Connector remote(test::named("remote"));
   auto src = test::patterned(1 << 20, 9);
@@ -160,9 +162,8 @@ TEST(Embedded, ConnectorOnACallerOwnedLoopCompletesTransfers) {
     auto readable = remote.create_readable({Descriptor(src.data(), src.size())});
     auto read = embedded.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
     bool called = false;
-    read.on_complete([&](OperationStatus s, const Error*) {
-      called = s == OperationStatus::complete;
-    });
+    read.on_complete(
+        [&](OperationStatus s, const Error*) { called = s == OperationStatus::complete; });
     ASSERT_TRUE(run_until(&loop, [&] { return called; }));
     EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 9), -1);
 

@@ -9,8 +9,7 @@ namespace ferry::test {
 
 /// Fills `size` bytes at `data` with a pattern determined by `seed` and the byte's offset,
 /// so that a misplaced or missing byte is caught by verify().
-void fill_pattern(std::byte* data, std::size_t size, std::uint64_t seed,
-                  std::uint64_t offset = 0);
+void fill_pattern(std::byte* data, std::size_t size, std::uint64_t seed, std::uint64_t offset = 0);
 /// Index of the first byte that differs from the pattern, or -1 when all match.
 long long first_mismatch(const std::byte* data, std::size_t size, std::uint64_t seed,
                          std::uint64_t offset = 0);

@@ -139,8 +139,8 @@ void Connection::finish_connect() {
   flush();
 }
 
-void Connection::send(const FrameHeader& header, std::string_view message,
-                      const std::byte* payload, std::uint64_t tag) {
+void Connection::send(const FrameHeader& header, std::string_view message, const std::byte* payload,
+                      std::uint64_t tag) {
   if (closed_) return;
   OutFrame& f = out_.emplace_back();
   f.header = header;
@@ -154,7 +154,7 @@ void Connection::send(const FrameHeader& header, std::string_view message,
   f.tag = tag;
   // Writing at once keeps a lone small frame off the next loop turn; a queue that is still
   // draining is left to the writable event.
-  if (out_.size() == 1) flush();
+  if (out_.size() == 1 && corked_ == 0) flush();
 }
 
 void Connection::release(std::uint64_t tag,
@@ -206,7 +206,7 @@ void Connection::drop_sink(std::uint64_t tag) noexcept {
 }
 
 void Connection::flush() {
-  if (closed_ || connecting_) return;
+  if (closed_ || connecting_ || out_.empty()) return;
   std::vector<std::uint64_t> sent_tags;
   while (!out_.empty()) {
     iovec iov[kMaxIov];
@@ -259,6 +259,8 @@ void Connection::flush() {
 }
 
 void Connection::read_some() {
+  // Answers to all the frames read in this callback leave together.
+  Cork cork(*this);
   std::uint64_t budget = kReadBudget;
   while (!closed_ && !closing_after_flush_ && budget > 0) {
     ssize_t n = 0;

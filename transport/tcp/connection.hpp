@@ -69,6 +69,21 @@ class Connection {
   /// "'name' at 1.2.3.4:5" for messages.
   std::string describe_peer() const;
 
+  /// While a Cork lives, send() only queues; the frames leave together, in one writev, when
+  /// the last Cork of the connection ends. Used around a batch of frames built in one go.
+  class Cork {
+   public:
+    explicit Cork(Connection& conn) noexcept : conn_(conn) { ++conn_.corked_; }
+    ~Cork() {
+      if (--conn_.corked_ == 0) conn_.flush();
+    }
+    Cork(const Cork&) = delete;
+    Cork& operator=(const Cork&) = delete;
+
+   private:
+    Connection& conn_;
+  };
+
   /// Queues a frame. For DATA and WRITE, `payload` holds header.len bytes and must stay valid
   /// until on_sent(tag) or release(tag); it is read only while writing, on the loop thread.
   void send(const FrameHeader& header, std::string_view message = {},
@@ -76,7 +91,8 @@ class Connection {
 
   /// Forgets every queued frame tagged `tag`: one partly written keeps going from a private
   /// copy of its remaining payload; the others are rewritten by `replacement(header, message)`
-  /// when given (into a frame without payload), else dropped. No memory of `tag` is read after this returns.
+  /// when given (into a frame without payload), else dropped. No memory of `tag` is read after this
+  /// returns.
   void release(std::uint64_t tag,
                const std::function<void(FrameHeader&, std::string&)>& replacement = {});
   /// If a payload for `tag` is being received, the rest of it is discarded.
@@ -99,9 +115,7 @@ class Connection {
     std::uint64_t payload_len = 0;
     std::uint64_t tag = 0;
     std::uint64_t sent = 0;  // bytes of header + message + payload written
-    std::uint64_t total() const noexcept {
-      return kHeaderSize + message.size() + payload_len;
-    }
+    std::uint64_t total() const noexcept { return kHeaderSize + message.size() + payload_len; }
   };
   enum class ReadState { header, message, payload };
 
@@ -130,6 +144,7 @@ class Connection {
   bool connecting_;
   bool closed_ = false;
   bool greeted_ = false;
+  int corked_ = 0;
   bool closing_after_flush_ = false;
   std::string close_reason_;
 

@@ -54,8 +54,7 @@ bool SocketAddress::parse(std::string_view text, SocketAddress& out) {
   }
   unsigned port = 0;
   auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
-  if (ec != std::errc() || end != port_text.data() + port_text.size() || port == 0 ||
-      port > 65535)
+  if (ec != std::errc() || end != port_text.data() + port_text.size() || port == 0 || port > 65535)
     return false;
   return from_parts(host, static_cast<std::uint16_t>(port), out);
 }

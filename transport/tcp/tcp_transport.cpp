@@ -72,9 +72,9 @@ TcpTransport::TcpTransport(uv_loop_t* loop, Defer defer, Options options)
     throw Error(ErrorCode::InvalidArgument,
                 "tcp.bind_address '" + options_.bind_address + "' is not a numeric IP address");
   if (bind_addr.is_wildcard() && options_.advertise_address.empty())
-    throw Error(ErrorCode::InvalidArgument, "binding the wildcard address " +
-                                                options_.bind_address +
-                                                " needs tcp.advertise_address");
+    throw Error(
+        ErrorCode::InvalidArgument,
+        "binding the wildcard address " + options_.bind_address + " needs tcp.advertise_address");
 
   listen_fd_ = ::socket(bind_addr.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (listen_fd_ < 0) throw Error(ErrorCode::Internal, "socket: " + socket_error_text(errno));
@@ -96,9 +96,9 @@ TcpTransport::TcpTransport(uv_loop_t* loop, Defer defer, Options options)
     SocketAddress adv;
     if (!SocketAddress::from_parts(options_.advertise_address, bound.port(), adv)) {
       ::close(listen_fd_);
-      throw Error(ErrorCode::InvalidArgument, "tcp.advertise_address '" +
-                                                  options_.advertise_address +
-                                                  "' is not a numeric IP address");
+      throw Error(
+          ErrorCode::InvalidArgument,
+          "tcp.advertise_address '" + options_.advertise_address + "' is not a numeric IP address");
     }
     advertised_ = adv.to_string();
   }
@@ -188,8 +188,7 @@ Connection::Sink TcpTransport::on_frame(Connection& conn, const FrameHeader& h,
   return client_frame(conn, h, std::move(message));
 }
 
-void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint64_t,
-                              bool intact) {
+void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint64_t, bool intact) {
   if (conn.role() == Connection::Role::server) {
     // The end of a WRITE: answer it now that its bytes are in memory (or were refused).
     if (intact && table_.find(h.op_id) != nullptr) {
@@ -233,8 +232,8 @@ void TcpTransport::on_closed(Connection& conn, const std::string& reason) {
       pool_.erase(it);
     for (auto& [id, t] : transfers_) {
       if (t->conn != &conn) continue;
-      finish_transfer(*t, Error(ErrorCode::PeerLost,
-                                "connection to peer " + who + " lost: " + reason));
+      finish_transfer(*t,
+                      Error(ErrorCode::PeerLost, "connection to peer " + who + " lost: " + reason));
       t->conn = nullptr;  // the connection is about to be destroyed
     }
   } else {
@@ -438,9 +437,8 @@ std::unique_ptr<Transfer> TcpTransport::start(TransferSpec spec, TransferObserve
   std::string error;
   t->conn = connect_to(addr, t->spec.peer_name, error);
   if (t->conn == nullptr) {
-    finish_transfer(*t, Error(ErrorCode::PeerLost, "cannot connect to peer '" +
-                                                       t->spec.peer_name + "' at " +
-                                                       addr.to_string() + ": " + error));
+    finish_transfer(*t, Error(ErrorCode::PeerLost, "cannot connect to peer '" + t->spec.peer_name +
+                                                       "' at " + addr.to_string() + ": " + error));
     return t;
   }
   pump(*t);
@@ -486,6 +484,7 @@ Connection* TcpTransport::connect_to(const SocketAddress& address, const std::st
 
 void TcpTransport::pump(TcpTransfer& t) {
   const bool writing = t.spec.access == Access::write;
+  Connection::Cork cork(*t.conn);
   while (!t.finished && t.seg < t.spec.segments.size() && t.inflight < options_.window) {
     const Segment& s = t.spec.segments[t.seg];
     std::uint64_t len = std::min<std::uint64_t>(options_.chunk_size, s.len - t.seg_off);
@@ -577,9 +576,9 @@ Connection::Sink TcpTransport::client_frame(Connection& conn, const FrameHeader&
       t.reqs.erase(h.req_id);
       if (h.status != 0) {
         ErrorCode code = code_from_wire(h.status);
-        finish_transfer(t, Error(code, "peer " + conn.describe_peer() + " refused: " +
-                                           (message.empty() ? std::string(to_string(code))
-                                                            : message)));
+        finish_transfer(
+            t, Error(code, "peer " + conn.describe_peer() + " refused: " +
+                               (message.empty() ? std::string(to_string(code)) : message)));
         return {};
       }
       switch (p.kind) {

@@ -32,7 +32,8 @@ struct TcpOptions {
   std::size_t chunk_size = 2u << 20;
   /// Bytes an active operation keeps requested but not yet done, per operation.
   std::size_t window = 16u << 20;
-  /// Largest request the listener serves; larger ones are refused as protocol errors.
+  /// Largest request the listener serves: a larger read is refused (AccessDenied); a larger
+  /// write ends the connection (ProtocolError), since its payload cannot be skipped safely.
   std::size_t max_request = 16u << 20;
 };
 

@@ -19,7 +19,7 @@ class Descriptor {
 
   /// A view of a span of trivially copyable elements in host memory.
   template <class T>
-    requires std::is_trivially_copyable_v<T>
+  requires std::is_trivially_copyable_v<T>
   explicit Descriptor(std::span<T> elements)
       : Descriptor(const_cast<std::remove_const_t<T>*>(elements.data()), elements.size_bytes()) {}
 

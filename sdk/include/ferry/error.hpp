@@ -14,16 +14,16 @@ enum class ErrorCode : int {
   KindMismatch,         ///< readable pairs with read, writable with write; anything else
   SizeMismatch,         ///< the two descriptor lists hold different byte totals
   NoCommonMethod,       ///< the peer offers no transfer method this connector has
-  AccessDenied,         ///< the peer refused the request: unknown, dead or wrong token, kind or range
-  Timeout,              ///< a deadline passed
-  Cancelled,            ///< cancelled locally, by the peer, or by connector shutdown
-  PeerLost,             ///< the peer could not be reached, or its connection dropped
-  ProtocolError,        ///< a malformed or unexpected frame or message
-  WrongThread,          ///< a blocking call on the connector's loop thread (it would deadlock)
-  InvalidState,         ///< the call does not fit the object's state (empty handle, closed connector)
-  Unsupported,          ///< this build or host lacks the feature (e.g. CUDA memory)
-  SideChannel,          ///< the NATS side channel failed: connect, auth, payload limit
-  Internal,             ///< a system failure ferry did not expect
+  AccessDenied,   ///< the peer refused the request: unknown, dead or wrong token, kind or range
+  Timeout,        ///< a deadline passed
+  Cancelled,      ///< cancelled locally, by the peer, or by connector shutdown
+  PeerLost,       ///< the peer could not be reached, or its connection dropped
+  ProtocolError,  ///< a malformed or unexpected frame or message
+  WrongThread,    ///< a blocking call on the connector's loop thread (it would deadlock)
+  InvalidState,   ///< the call does not fit the object's state (empty handle, closed connector)
+  Unsupported,    ///< this build or host lacks the feature (e.g. CUDA memory)
+  SideChannel,    ///< the NATS side channel failed: connect, auth, payload limit
+  Internal,       ///< a system failure ferry did not expect
 };
 
 /// "InvalidMetadata", "Timeout", ...

@@ -1,1 +1,889 @@
+// Hostile TCP clients against a real Connector's listener (docs/protocol.md, "Checks on every
+// request"). Each test speaks the frame protocol over a raw blocking socket on loopback,
+// misbehaves, and checks the server's answer, that the exposed memory is untouched, and that
+// the same connector still serves a well-behaved peer afterwards.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+
+#include "tests/support/patterns.hpp"
+#include "tests/support/util.hpp"
+#include "transport/exposure_table.hpp"
+#include "transport/tcp/frame.hpp"
+
+namespace ferry {
+namespace {
+
+using test::buffer;
+using test::first_mismatch;
+using test::patterned;
+using transport::Token;
+using transport::tcp::FrameHeader;
+using transport::tcp::FrameType;
+
+constexpr auto kWait = std::chrono::seconds(30);
+constexpr int kSocketTimeoutSeconds = 5;
+constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+constexpr std::uint64_t kDefaultMaxRequest = 16u << 20;
+constexpr std::size_t kLargestPayloadAccepted = 64u << 20;
+
+constexpr std::uint32_t wire(ErrorCode code) { return static_cast<std::uint32_t>(code); }
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+/// What a raw client needs from a passive operation's metadata.
+struct Target {
+  std::string address;  ///< "127.0.0.1:port"
+  std::uint64_t op_id = 0;
+  Token token{};
+  std::uint64_t base = 0;  ///< the first descriptor's address in the owner's memory
+  std::uint64_t size = 0;
+};
+
+Target target_of(const RdmaMetadata& m) {
+  Target t;
+  EXPECT_FALSE(m.endpoints.empty());
+  EXPECT_FALSE(m.descriptors.empty());
+  if (m.endpoints.empty() || m.descriptors.empty()) return t;
+  EXPECT_EQ(m.endpoints[0].method, "tcp");
+  t.address = m.endpoints[0].address;
+  EXPECT_EQ(m.notification_key.size(), 16u);
+  t.op_id = std::stoull(m.notification_key, nullptr, 16);
+  EXPECT_TRUE(transport::token_from_hex(m.token, t.token)) << m.token;
+  t.base = m.descriptors[0].ptr;
+  t.size = m.descriptors[0].size;
+  return t;
+}
+
+Token flipped(Token token) {
+  token[0] = static_cast<std::uint8_t>(token[0] ^ 0x80);
+  return token;
+}
+
+struct Frame {
+  FrameHeader header;
+  std::string message;
+  std::vector<std::byte> payload;
+};
+
+/// A blocking TCP client that speaks the frame protocol by hand. Every call is bounded by
+/// the socket's send and receive timeouts, so a silent server fails the test, not hangs it.
+class RawClient {
+ public:
+  explicit RawClient(const std::string& address) {
+    const auto colon = address.rfind(':');
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    if (colon == std::string::npos ||
+        inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr) != 1) {
+      error_ = "not an IPv4 ip:port: '" + address + "'";
+      return;
+    }
+    if (sa.sin_addr.s_addr != htonl(INADDR_LOOPBACK)) {
+      error_ = "tests talk to 127.0.0.1 only, not " + address;
+      return;
+    }
+    sa.sin_port = htons(static_cast<std::uint16_t>(std::stoul(address.substr(colon + 1))));
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd_ < 0) {
+      error_ = std::string("socket: ") + std::strerror(errno);
+      return;
+    }
+    timeval tv{};
+    tv.tv_sec = kSocketTimeoutSeconds;
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    if (::connect(fd_, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) != 0) {
+      error_ = "connect to " + address + ": " + std::strerror(errno);
+      close();
+    }
+  }
+  ~RawClient() { close(); }
+  RawClient(const RawClient&) = delete;
+  RawClient& operator=(const RawClient&) = delete;
+
+  bool connected() const noexcept { return fd_ >= 0; }
+  const std::string& error() const noexcept { return error_; }
+
+  bool send_bytes(const void* data, std::size_t size) {
+    const auto* p = static_cast<const char*>(data);
+    while (size > 0) {
+      ssize_t n = ::send(fd_, p, size, MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error_ = std::string("send: ") + std::strerror(errno);
+        return false;
+      }
+      p += n;
+      size -= static_cast<std::size_t>(n);
+    }
+    return true;
+  }
+
+  /// Sends `h` with msg_len set to the message's size, then exactly `payload` (which may be
+  /// shorter than h.len, to play a client that stops midway).
+  bool send_frame(FrameHeader h, std::string_view message = {},
+                  const std::vector<std::byte>& payload = {}) {
+    h.msg_len = static_cast<std::uint32_t>(message.size());
+    const auto bytes = transport::tcp::encode(h);
+    return send_bytes(bytes.data(), bytes.size()) && send_bytes(message.data(), message.size()) &&
+           send_bytes(payload.data(), payload.size());
+  }
+
+  /// The next frame, or nothing on end of stream, reset, timeout or an implausible header
+  /// (error() says which).
+  std::optional<Frame> read_frame() {
+    transport::tcp::HeaderBytes bytes{};
+    if (!read_exact(bytes.data(), bytes.size())) return std::nullopt;
+    Frame f;
+    f.header = transport::tcp::decode(bytes.data());
+    if (auto what = transport::tcp::malformed(f.header); !what.empty()) {
+      error_ = "the server sent a malformed header: " + what;
+      return std::nullopt;
+    }
+    f.message.resize(f.header.msg_len);
+    if (!read_exact(f.message.data(), f.message.size())) return std::nullopt;
+    if (transport::tcp::has_payload(f.header.type)) {
+      if (f.header.len > kLargestPayloadAccepted) {
+        error_ = "the server announced " + std::to_string(f.header.len) + " bytes of payload";
+        return std::nullopt;
+      }
+      f.payload.resize(f.header.len);
+      if (!read_exact(f.payload.data(), f.payload.size())) return std::nullopt;
+    }
+    return f;
+  }
+
+  /// Sends HELLO with `name` and reads the server's HELLO; true if it came.
+  bool greet(const std::string& name) {
+    FrameHeader h;
+    h.type = FrameType::hello;
+    if (!send_frame(h, name)) return false;
+    auto reply = read_frame();
+    if (!reply) return false;
+    if (reply->header.type != FrameType::hello) {
+      error_ = "the server answered HELLO with frame type " +
+               std::to_string(static_cast<int>(reply->header.type)) + ": " + reply->message;
+      return false;
+    }
+    server_name_ = reply->message;
+    return true;
+  }
+  const std::string& server_name() const noexcept { return server_name_; }
+
+  /// Whether the server closes the connection (end of stream or reset) without sending
+  /// anything more, within the receive timeout.
+  bool closed_by_peer() {
+    char c;
+    for (;;) {
+      ssize_t n = ::recv(fd_, &c, 1, 0);
+      if (n == 0) return true;
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        error_ = std::string("recv: ") + std::strerror(errno);
+        return errno == ECONNRESET;
+      }
+      error_ = "the server sent more bytes instead of closing";
+      return false;
+    }
+  }
+
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  bool read_exact(void* dst, std::size_t size) {
+    auto* p = static_cast<char*>(dst);
+    while (size > 0) {
+      ssize_t n = ::recv(fd_, p, size, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n == 0) {
+        error_ = "the server closed the connection";
+        return false;
+      }
+      if (n < 0) {
+        error_ = errno == EAGAIN || errno == EWOULDBLOCK
+                     ? "no answer within " + std::to_string(kSocketTimeoutSeconds) + " s"
+                     : std::string("recv: ") + std::strerror(errno);
+        return false;
+      }
+      p += n;
+      size -= static_cast<std::size_t>(n);
+    }
+    return true;
+  }
+
+  int fd_ = -1;
+  std::string error_;
+  std::string server_name_;
+};
+
+FrameHeader request(FrameType type, const Target& t, std::uint64_t req_id, std::uint64_t addr,
+                    std::uint64_t len) {
+  FrameHeader h;
+  h.type = type;
+  h.req_id = req_id;
+  h.op_id = t.op_id;
+  h.addr = addr;
+  h.len = len;
+  h.token = t.token;
+  return h;
+}
+
+FrameHeader done_frame(const Target& t, std::uint64_t req_id, transport::Access access,
+                       std::uint32_t status) {
+  FrameHeader h = request(FrameType::done, t, req_id, 0, 0);
+  h.flags = static_cast<std::uint16_t>(access);
+  h.status = status;
+  return h;
+}
+
+/// Whether `f` is a STATUS frame for `req_id` with `code` and a message containing `point`.
+::testing::AssertionResult is_status(const std::optional<Frame>& f, std::uint64_t req_id,
+                                     ErrorCode code, const std::string& point) {
+  if (!f) return ::testing::AssertionFailure() << "no frame arrived";
+  const FrameHeader& h = f->header;
+  if (h.type != FrameType::status || h.req_id != req_id || h.status != wire(code) ||
+      !contains(f->message, point))
+    return ::testing::AssertionFailure()
+           << "got type " << static_cast<int>(h.type) << " req " << h.req_id << " status "
+           << h.status << " '" << f->message << "'; wanted STATUS req " << req_id << " status "
+           << wire(code) << " (" << to_string(code) << ") with '" << point << "'";
+  return ::testing::AssertionSuccess();
+}
+
+/// Whether `f` is a DATA frame for `req_id` carrying `len` bytes of pattern `seed` from
+/// `offset` on.
+::testing::AssertionResult is_data(const std::optional<Frame>& f, std::uint64_t req_id,
+                                   std::size_t len, std::uint64_t seed, std::uint64_t offset) {
+  if (!f) return ::testing::AssertionFailure() << "no frame arrived";
+  if (f->header.type != FrameType::data || f->header.req_id != req_id || f->payload.size() != len)
+    return ::testing::AssertionFailure()
+           << "got type " << static_cast<int>(f->header.type) << " req " << f->header.req_id
+           << " with " << f->payload.size() << " bytes '" << f->message << "'";
+  if (auto at = first_mismatch(f->payload.data(), len, seed, offset); at != -1)
+    return ::testing::AssertionFailure() << "DATA differs from the source at byte " << at;
+  return ::testing::AssertionSuccess();
+}
+
+/// Whether `f` is a STATUS frame reporting success for `req_id`.
+::testing::AssertionResult is_ok(const std::optional<Frame>& f, std::uint64_t req_id) {
+  if (!f) return ::testing::AssertionFailure() << "no frame arrived";
+  const FrameHeader& h = f->header;
+  if (h.type != FrameType::status || h.req_id != req_id || h.status != 0)
+    return ::testing::AssertionFailure()
+           << "got type " << static_cast<int>(h.type) << " req " << h.req_id << " status "
+           << h.status << " '" << f->message << "'; wanted a successful STATUS for " << req_id;
+  return ::testing::AssertionSuccess();
+}
+
+/// Connects and exchanges HELLO as `name`.
+::testing::AssertionResult greeted(RawClient& client, const std::string& name = "raw-client") {
+  if (!client.connected() || !client.greet(name))
+    return ::testing::AssertionFailure() << client.error();
+  return ::testing::AssertionSuccess();
+}
+
+std::string describe(const Operation& op) {
+  auto e = op.error();
+  return std::string(to_string(op.status())) + (e ? std::string(": ") + e->what() : "");
+}
+
+/// A second connector completes a real read and a real write against fresh passive
+/// operations of `owner`: the server is still serving whatever the hostile client did.
+void expect_serves_well_behaved_peer(Connector& owner) {
+  constexpr std::size_t kSize = (256u << 10) + 3;
+  Connector peer(test::named("well-behaved"));
+
+  auto src = patterned(kSize, 101);
+  auto got = buffer(kSize);
+  auto readable = owner.create_readable({Descriptor(src.data(), kSize)});
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(got.data(), kSize)});
+  ASSERT_TRUE(read.wait_for_completion(kWait)) << describe(read);
+  ASSERT_TRUE(readable.wait_for_completion(kWait)) << describe(readable);
+  EXPECT_EQ(first_mismatch(got.data(), kSize, 101), -1);
+
+  auto data = patterned(kSize, 102);
+  auto dst = buffer(kSize);
+  auto writable = owner.create_writable({Descriptor(dst.data(), kSize)});
+  auto write = peer.begin_write({Descriptor(data.data(), kSize)}, writable.metadata());
+  ASSERT_TRUE(write.wait_for_completion(kWait)) << describe(write);
+  ASSERT_TRUE(writable.wait_for_completion(kWait)) << describe(writable);
+  EXPECT_EQ(first_mismatch(dst.data(), kSize, 102), -1);
+}
+
+/// A second connector reads all of `readable` (which must still be unclaimed) into fresh
+/// memory and finds pattern `seed`.
+void expect_peer_reads(const ReadableOperation& readable, std::size_t size, std::uint64_t seed) {
+  Connector peer(test::named("late-reader"));
+  auto got = buffer(size);
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(got.data(), size)});
+  ASSERT_TRUE(read.wait_for_completion(kWait)) << describe(read);
+  ASSERT_TRUE(readable.wait_for_completion(kWait)) << describe(readable);
+  EXPECT_EQ(first_mismatch(got.data(), size, seed), -1);
+}
+
+/// Waits for `op` to fail and returns its error; a failure of the test if it completes or
+/// does not end in time.
+std::optional<Error> wait_for_failure(const Operation& op) {
+  try {
+    if (op.wait_for_completion(kWait))
+      ADD_FAILURE() << "the operation completed";
+    else
+      ADD_FAILURE() << "the operation did not end within the wait";
+  } catch (const Error& e) {
+    return e;
+  }
+  return std::nullopt;
+}
+
+ConnectorOptions owner_options(std::size_t max_request) {
+  ConnectorOptions o = test::named("owner");
+  o.tcp.max_request = max_request;
+  return o;
+}
+
+class TcpHostileTest : public ::testing::Test {
+ protected:
+  static constexpr std::size_t kSize = 64u << 10;
+  static constexpr std::uint64_t kSeed = 7;
+
+  // Every test ends by checking that the owner still serves a well-behaved peer.
+  void TearDown() override {
+    if (!HasFatalFailure()) expect_serves_well_behaved_peer(owner_);
+  }
+
+  bool memory_unchanged() const { return first_mismatch(memory_.data(), kSize, kSeed) == -1; }
+
+  Connector owner_{test::named("owner")};
+  std::vector<std::byte> memory_ = patterned(kSize, kSeed);
+};
+
+// ---------------------------------------------------------------------------------------
+// Tokens
+
+TEST_F(TcpHostileTest, WrongTokenAndUnknownIdGetTheSameAccessDenied) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  EXPECT_EQ(client.server_name(), "owner");
+
+  FrameHeader wrong_token = request(FrameType::read, t, 1, t.base, 64);
+  wrong_token.token = flipped(t.token);
+  ASSERT_TRUE(client.send_frame(wrong_token)) << client.error();
+  auto a = client.read_frame();
+  EXPECT_TRUE(
+      is_status(a, 1, ErrorCode::AccessDenied, "no live operation matches this id and token"))
+      << client.error();
+
+  FrameHeader unknown_id = request(FrameType::read, t, 2, t.base, 64);
+  unknown_id.op_id = t.op_id ^ (1ULL << 62);  // no operation has this id
+  ASSERT_TRUE(client.send_frame(unknown_id)) << client.error();
+  auto b = client.read_frame();
+  EXPECT_TRUE(
+      is_status(b, 2, ErrorCode::AccessDenied, "no live operation matches this id and token"))
+      << client.error();
+  // Probing must learn nothing: the two answers are the same text.
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->message, b->message);
+
+  EXPECT_TRUE(memory_unchanged());
+  // A wrong token claims nothing: the rightful peer still gets the whole operation.
+  EXPECT_EQ(readable.status(), OperationStatus::initialized);
+  expect_peer_reads(readable, kSize, kSeed);
+}
+
+TEST_F(TcpHostileTest, StaleTokenOfAFinishedReadableIsDenied) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  {
+    Connector peer(test::named("first-reader"));
+    auto got = buffer(kSize);
+    auto read = peer.begin_read(readable.metadata(), {Descriptor(got.data(), kSize)});
+    ASSERT_TRUE(read.wait_for_completion(kWait)) << describe(read);
+    ASSERT_TRUE(readable.wait_for_completion(kWait)) << describe(readable);
+    ASSERT_EQ(first_mismatch(got.data(), kSize, kSeed), -1);
+  }
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 1, t.base, 64))) << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 1, ErrorCode::AccessDenied,
+                        "no live operation matches this id and token"))
+      << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(readable.status(), OperationStatus::complete);
+}
+
+TEST_F(TcpHostileTest, StaleTokenOfAFinishedWritableWritesNothing) {
+  auto dst = buffer(kSize);
+  auto writable = owner_.create_writable({Descriptor(dst.data(), kSize)});
+  {
+    Connector peer(test::named("first-writer"));
+    auto write = peer.begin_write({Descriptor(memory_.data(), kSize)}, writable.metadata());
+    ASSERT_TRUE(write.wait_for_completion(kWait)) << describe(write);
+    ASSERT_TRUE(writable.wait_for_completion(kWait)) << describe(writable);
+    ASSERT_EQ(first_mismatch(dst.data(), kSize, kSeed), -1);
+  }
+  const Target t = target_of(writable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  const std::vector<std::byte> junk(4096, std::byte{0x5a});
+  ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, junk.size()), {}, junk))
+      << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 1, ErrorCode::AccessDenied,
+                        "no live operation matches this id and token"))
+      << client.error();
+  // The STATUS comes only after the payload was consumed, so the memory is final here.
+  EXPECT_EQ(first_mismatch(dst.data(), kSize, kSeed), -1);
+  EXPECT_EQ(writable.status(), OperationStatus::complete);
+}
+
+TEST_F(TcpHostileTest, ClaimedOperationIsDeniedToASecondConnection) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient first(t.address);
+  ASSERT_TRUE(greeted(first, "raw-claimant"));
+  ASSERT_TRUE(first.send_frame(request(FrameType::read, t, 1, t.base, 256))) << first.error();
+  ASSERT_TRUE(is_data(first.read_frame(), 1, 256, kSeed, 0)) << first.error();
+
+  RawClient second(t.address);
+  ASSERT_TRUE(greeted(second, "raw-thief"));
+  ASSERT_TRUE(second.send_frame(request(FrameType::read, t, 1, t.base, 256))) << second.error();
+  EXPECT_TRUE(is_status(second.read_frame(), 1, ErrorCode::AccessDenied,
+                        "claimed by another peer (raw-claimant)"))
+      << second.error();
+  // Nor may the second connection end the operation on the claimant's behalf.
+  ASSERT_TRUE(second.send_frame(
+      done_frame(t, 2, transport::Access::read, wire(ErrorCode::Cancelled)), "go away"))
+      << second.error();
+  EXPECT_TRUE(is_status(second.read_frame(), 2, ErrorCode::AccessDenied,
+                        "claimed by another peer (raw-claimant)"))
+      << second.error();
+
+  // The claimant keeps the operation: it reads more and ends it.
+  ASSERT_TRUE(first.send_frame(request(FrameType::read, t, 2, t.base + 4096, 512)))
+      << first.error();
+  EXPECT_TRUE(is_data(first.read_frame(), 2, 512, kSeed, 4096)) << first.error();
+  ASSERT_TRUE(first.send_frame(done_frame(t, 3, transport::Access::read, 0))) << first.error();
+  EXPECT_TRUE(is_ok(first.read_frame(), 3)) << first.error();
+  EXPECT_TRUE(readable.wait_for_completion(kWait)) << describe(readable);
+  EXPECT_TRUE(memory_unchanged());
+}
+
+TEST_F(TcpHostileTest, DoneWithAWrongTokenDoesNotEndTheOperation) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  FrameHeader done = done_frame(t, 1, transport::Access::read, wire(ErrorCode::Cancelled));
+  done.token = flipped(t.token);
+  ASSERT_TRUE(client.send_frame(done, "forged")) << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 1, ErrorCode::AccessDenied,
+                        "no live operation matches this id and token"))
+      << client.error();
+  // A DONE that names no access kind is refused, and the connection stays usable.
+  ASSERT_TRUE(client.send_frame(done_frame(t, 2, transport::Access{}, 0))) << client.error();
+  EXPECT_TRUE(
+      is_status(client.read_frame(), 2, ErrorCode::ProtocolError, "DONE names no access kind"))
+      << client.error();
+  EXPECT_EQ(readable.status(), OperationStatus::initialized);
+  expect_peer_reads(readable, kSize, kSeed);
+}
+
+// ---------------------------------------------------------------------------------------
+// Kinds
+
+TEST_F(TcpHostileTest, WriteToAReadableIsDeniedAndItsPayloadDiscarded) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  const std::vector<std::byte> junk(8192, std::byte{0});
+  ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, junk.size()), {}, junk))
+      << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 1, ErrorCode::AccessDenied,
+                        "the operation is readable; it cannot be written"))
+      << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  // The payload was skipped exactly: the next frame is read as a frame.
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 2, t.base + 8, 8))) << client.error();
+  EXPECT_TRUE(is_data(client.read_frame(), 2, 8, kSeed, 8)) << client.error();
+}
+
+TEST_F(TcpHostileTest, ReadFromAWritableIsDenied) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 1, t.base, kSize))) << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 1, ErrorCode::AccessDenied,
+                        "the operation is writable; it cannot be read"))
+      << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(writable.status(), OperationStatus::initialized);
+}
+
+TEST_F(TcpHostileTest, RefusedWritePayloadIsDiscarded) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  FrameHeader h = request(FrameType::write, t, 1, t.base, kSize);
+  h.token = flipped(t.token);
+  const std::vector<std::byte> junk(kSize, std::byte{0xee});
+  ASSERT_TRUE(client.send_frame(h, {}, junk)) << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 1, ErrorCode::AccessDenied,
+                        "no live operation matches this id and token"))
+      << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  // The stream is still in frame: a WRITE of zero bytes is answered as such.
+  ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 2, t.base, 0))) << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 2, ErrorCode::AccessDenied, "empty write"))
+      << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(writable.status(), OperationStatus::initialized);
+}
+
+// ---------------------------------------------------------------------------------------
+// Ranges and lengths
+
+TEST_F(TcpHostileTest, ReadOutsideTheDescriptorIsDenied) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  struct Case {
+    std::uint64_t addr;
+    std::uint64_t len;
+  };
+  const Case cases[] = {
+      {t.base + t.size - 16, 32},  // runs past the end
+      {t.base + t.size, 1},        // one past the end
+      {t.base - 1, 1},             // one before the start
+      {t.base, t.size + 1},        // one longer than the descriptor
+      {t.base + t.size - 1, 2},
+  };
+  std::uint64_t req = 0;
+  for (const Case& c : cases) {
+    ++req;
+    ASSERT_TRUE(client.send_frame(request(FrameType::read, t, req, c.addr, c.len)))
+        << client.error();
+    EXPECT_TRUE(is_status(client.read_frame(), req, ErrorCode::AccessDenied,
+                          "is outside the operation's memory"))
+        << client.error();
+  }
+  // The exact last byte is inside.
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 100, t.base + t.size - 1, 1)))
+      << client.error();
+  EXPECT_TRUE(is_data(client.read_frame(), 100, 1, kSeed, kSize - 1)) << client.error();
+  EXPECT_TRUE(memory_unchanged());
+}
+
+TEST_F(TcpHostileTest, ReadWhoseEndWrapsIsDenied) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  struct Case {
+    std::uint64_t addr;
+    std::uint64_t len;
+  };
+  const Case cases[] = {
+      {kMax - 7, 16},     // addr + len wraps to 8
+      {kMax, 1},          // the very last address
+      {kMax - 15, 4096},  // wraps well past 0
+  };
+  std::uint64_t req = 0;
+  for (const Case& c : cases) {
+    ++req;
+    ASSERT_TRUE(client.send_frame(request(FrameType::read, t, req, c.addr, c.len)))
+        << client.error();
+    EXPECT_TRUE(is_status(client.read_frame(), req, ErrorCode::AccessDenied,
+                          "is outside the operation's memory"))
+        << client.error();
+  }
+  EXPECT_TRUE(memory_unchanged());
+}
+
+TEST(TcpHostileNoLimit, ReadWhoseEndWrapsIsDeniedByTheRangeCheckAlone) {
+  // With no request limit, only check 4 (the range, without overflow) stands between a
+  // wrapping request and the owner's memory.
+  Connector owner(owner_options(std::numeric_limits<std::size_t>::max()));
+  constexpr std::size_t kSize = 64u << 10;
+  auto memory = patterned(kSize, 9);
+  auto readable = owner.create_readable({Descriptor(memory.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  struct Case {
+    std::uint64_t addr;
+    std::uint64_t len;
+  };
+  const Case cases[] = {
+      {t.base + 16, kMax - 15},  // addr + len wraps to exactly base
+      {t.base + 1, kMax},        // addr + len wraps to base
+      {t.base, kMax},
+      {t.base + 8, kMax - t.base - 7},  // addr + len wraps to exactly 0
+  };
+  std::uint64_t req = 0;
+  for (const Case& c : cases) {
+    ++req;
+    ASSERT_TRUE(client.send_frame(request(FrameType::read, t, req, c.addr, c.len)))
+        << client.error();
+    EXPECT_TRUE(is_status(client.read_frame(), req, ErrorCode::AccessDenied,
+                          "is outside the operation's memory"))
+        << client.error();
+  }
+  EXPECT_EQ(first_mismatch(memory.data(), kSize, 9), -1);
+  EXPECT_EQ(readable.status(), OperationStatus::initialized);
+  expect_serves_well_behaved_peer(owner);
+}
+
+TEST_F(TcpHostileTest, ReadLongerThanMaxRequestIsDenied) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  const std::uint64_t lens[] = {kDefaultMaxRequest + 1, kMax};
+  std::uint64_t req = 0;
+  for (std::uint64_t len : lens) {
+    ++req;
+    ASSERT_TRUE(client.send_frame(request(FrameType::read, t, req, t.base, len))) << client.error();
+    EXPECT_TRUE(is_status(client.read_frame(), req, ErrorCode::AccessDenied,
+                          "read of " + std::to_string(len) + " bytes: requests take 1 to " +
+                              std::to_string(kDefaultMaxRequest) + " bytes"))
+        << client.error();
+  }
+  // Zero bytes is no request either.
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 10, t.base, 0))) << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 10, ErrorCode::AccessDenied, "read of 0 bytes"))
+      << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(readable.status(), OperationStatus::initialized);
+}
+
+TEST(TcpHostileSmallLimit, ReadInsideTheDescriptorButOverTheLimitIsDenied) {
+  // The limit holds on its own, not only through the range check.
+  Connector owner(owner_options(4096));
+  constexpr std::size_t kSize = 64u << 10;
+  auto memory = patterned(kSize, 11);
+  auto readable = owner.create_readable({Descriptor(memory.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 1, t.base, 4097))) << client.error();
+  EXPECT_TRUE(
+      is_status(client.read_frame(), 1, ErrorCode::AccessDenied, "requests take 1 to 4096 bytes"))
+      << client.error();
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 2, t.base, 4096))) << client.error();
+  EXPECT_TRUE(is_data(client.read_frame(), 2, 4096, 11, 0)) << client.error();
+  EXPECT_EQ(first_mismatch(memory.data(), kSize, 11), -1);
+}
+
+TEST_F(TcpHostileTest, HugeWriteGetsAProtocolErrorNoticeAndIsClosed) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  for (std::uint64_t len : {kDefaultMaxRequest + 1, kMax}) {
+    RawClient client(t.address);
+    ASSERT_TRUE(greeted(client));
+    // Only the header: a server that waited for the payload would time out here.
+    ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, len))) << client.error();
+    EXPECT_TRUE(is_status(client.read_frame(), 0, ErrorCode::ProtocolError,
+                          "write of " + std::to_string(len) + " bytes exceeds the limit of " +
+                              std::to_string(kDefaultMaxRequest)))
+        << client.error();
+    EXPECT_TRUE(client.closed_by_peer()) << client.error();
+  }
+  EXPECT_TRUE(memory_unchanged());
+  // A valid token in a refused frame claims nothing.
+  EXPECT_EQ(writable.status(), OperationStatus::initialized);
+}
+
+// ---------------------------------------------------------------------------------------
+// Malformed streams
+
+TEST_F(TcpHostileTest, GarbageBytesGetAProtocolErrorNoticeAndAreClosed) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  std::vector<std::byte> garbage(transport::tcp::kHeaderSize, std::byte{0xab});
+  ASSERT_TRUE(client.send_bytes(garbage.data(), garbage.size())) << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 0, ErrorCode::ProtocolError, "bad magic"))
+      << client.error();
+  EXPECT_TRUE(client.closed_by_peer()) << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(writable.status(), OperationStatus::initialized);
+}
+
+TEST_F(TcpHostileTest, UnknownVersionTypeOrOverlongTextCloseTheConnection) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  struct Case {
+    FrameHeader header;
+    std::string point;
+  };
+  std::vector<Case> cases;
+  FrameHeader bad_version = request(FrameType::read, t, 1, t.base, 16);
+  bad_version.version = 2;
+  cases.push_back({bad_version, "unsupported protocol version 2"});
+  FrameHeader bad_type = request(FrameType::read, t, 1, t.base, 16);
+  bad_type.type = static_cast<FrameType>(9);
+  cases.push_back({bad_type, "unknown frame type 9"});
+  for (const Case& c : cases) {
+    RawClient client(t.address);
+    ASSERT_TRUE(greeted(client));
+    ASSERT_TRUE(client.send_frame(c.header)) << client.error();
+    EXPECT_TRUE(is_status(client.read_frame(), 0, ErrorCode::ProtocolError, c.point))
+        << client.error();
+    EXPECT_TRUE(client.closed_by_peer()) << client.error();
+  }
+  {
+    // msg_len is announced but the text never sent: the header alone must close it.
+    RawClient client(t.address);
+    ASSERT_TRUE(greeted(client));
+    FrameHeader h = done_frame(t, 1, transport::Access::read, wire(ErrorCode::Cancelled));
+    h.msg_len = transport::tcp::kMaxMessage + 1;
+    const auto bytes = transport::tcp::encode(h);
+    ASSERT_TRUE(client.send_bytes(bytes.data(), bytes.size())) << client.error();
+    EXPECT_TRUE(is_status(client.read_frame(), 0, ErrorCode::ProtocolError, "message of 4097"))
+        << client.error();
+    EXPECT_TRUE(client.closed_by_peer()) << client.error();
+  }
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(readable.status(), OperationStatus::initialized);
+  expect_peer_reads(readable, kSize, kSeed);
+}
+
+TEST_F(TcpHostileTest, ServerOnlyFramesFromAClientCloseTheConnection) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  for (FrameType type : {FrameType::data, FrameType::status, FrameType::hello}) {
+    RawClient client(t.address);
+    ASSERT_TRUE(greeted(client));
+    ASSERT_TRUE(client.send_frame(request(type, t, 1, t.base, 0))) << client.error();
+    EXPECT_TRUE(is_status(
+        client.read_frame(), 0, ErrorCode::ProtocolError,
+        "unexpected frame type " + std::to_string(static_cast<int>(type)) + " from a client"))
+        << client.error();
+    EXPECT_TRUE(client.closed_by_peer()) << client.error();
+  }
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(readable.status(), OperationStatus::initialized);
+}
+
+TEST_F(TcpHostileTest, FirstFrameThatIsNotHelloClosesTheConnection) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(client.connected()) << client.error();
+  // A valid READ, but before HELLO.
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 1, t.base, 64))) << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 0, ErrorCode::ProtocolError,
+                        "expected HELLO as the first frame"))
+      << client.error();
+  EXPECT_TRUE(client.closed_by_peer()) << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  // The token it carried claimed nothing.
+  EXPECT_EQ(readable.status(), OperationStatus::initialized);
+  expect_peer_reads(readable, kSize, kSeed);
+}
+
+TEST_F(TcpHostileTest, WriteBeforeHelloTouchesNoMemory) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(client.connected()) << client.error();
+  const std::vector<std::byte> junk(4096, std::byte{0x11});
+  ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, junk.size()), {}, junk))
+      << client.error();
+  EXPECT_TRUE(is_status(client.read_frame(), 0, ErrorCode::ProtocolError,
+                        "expected HELLO as the first frame"))
+      << client.error();
+  EXPECT_TRUE(client.closed_by_peer()) << client.error();
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(writable.status(), OperationStatus::initialized);
+}
+
+TEST_F(TcpHostileTest, TruncatedHeaderThenCloseIsHarmless) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  {
+    RawClient client(t.address);
+    ASSERT_TRUE(greeted(client));
+    const auto bytes = transport::tcp::encode(request(FrameType::read, t, 1, t.base, kSize));
+    ASSERT_TRUE(client.send_bytes(bytes.data(), bytes.size() / 2)) << client.error();
+  }  // closes the socket halfway through the header
+  EXPECT_TRUE(memory_unchanged());
+  EXPECT_EQ(readable.status(), OperationStatus::initialized);
+  expect_peer_reads(readable, kSize, kSeed);
+}
+
+TEST_F(TcpHostileTest, TruncatedWritePayloadErrorsTheWritable) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  constexpr std::size_t kSent = 100;
+  {
+    RawClient client(t.address);
+    ASSERT_TRUE(greeted(client, "raw-quitter"));
+    const std::vector<std::byte> part(kSent, std::byte{0});
+    ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, 4096), {}, part))
+        << client.error();
+  }  // the peer goes away with 3996 bytes of its WRITE still owed
+  auto error = wait_for_failure(writable);
+  ASSERT_TRUE(error.has_value());
+  EXPECT_EQ(error->code(), ErrorCode::PeerLost) << error->what();
+  EXPECT_TRUE(contains(error->message(), "raw-quitter")) << error->what();
+  EXPECT_EQ(writable.status(), OperationStatus::errored);
+  // The bytes that arrived may have landed (the payload goes straight to memory); nothing
+  // past them was touched.
+  EXPECT_EQ(first_mismatch(memory_.data() + kSent, kSize - kSent, kSeed, kSent), -1);
+}
+
+TEST_F(TcpHostileTest, ProtocolErrorOnOneConnectionLeavesOthersAlone) {
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(readable.metadata());
+  RawClient good(t.address);
+  ASSERT_TRUE(greeted(good, "raw-good"));
+  ASSERT_TRUE(good.send_frame(request(FrameType::read, t, 1, t.base, 1024))) << good.error();
+  ASSERT_TRUE(is_data(good.read_frame(), 1, 1024, kSeed, 0)) << good.error();
+
+  RawClient bad(t.address);
+  ASSERT_TRUE(greeted(bad));
+  std::vector<std::byte> garbage(transport::tcp::kHeaderSize, std::byte{0xcd});
+  ASSERT_TRUE(bad.send_bytes(garbage.data(), garbage.size())) << bad.error();
+  EXPECT_TRUE(is_status(bad.read_frame(), 0, ErrorCode::ProtocolError, "bad magic")) << bad.error();
+  EXPECT_TRUE(bad.closed_by_peer()) << bad.error();
+
+  ASSERT_TRUE(good.send_frame(request(FrameType::read, t, 2, t.base + 1024, kSize - 1024)))
+      << good.error();
+  EXPECT_TRUE(is_data(good.read_frame(), 2, kSize - 1024, kSeed, 1024)) << good.error();
+  ASSERT_TRUE(good.send_frame(done_frame(t, 3, transport::Access::read, 0))) << good.error();
+  EXPECT_TRUE(is_ok(good.read_frame(), 3)) << good.error();
+  EXPECT_TRUE(readable.wait_for_completion(kWait)) << describe(readable);
+  EXPECT_TRUE(memory_unchanged());
+}
+
+}  // namespace
+}  // namespace ferry
