@@ -91,7 +91,10 @@ Error EventLoop::closed_error() {
   return Error(ErrorCode::InvalidState, "the connector is closed");
 }
 
-bool EventLoop::post(Task task) {
+bool EventLoop::post(Task task) { return Poster(shared_).post(std::move(task)); }
+
+bool EventLoop::Poster::post(Task task) const {
+  if (!shared_) return false;
   Shared& s = *shared_;
   std::lock_guard lock(s.mu);
   if (s.closed) return false;

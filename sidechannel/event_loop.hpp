@@ -18,6 +18,8 @@ namespace ferry::sidechannel {
 /// One libuv loop: ferry's own thread, or a caller's loop (embedded mode). Every state change
 /// of a connector happens on it; other threads reach it through post() and call().
 class EventLoop {
+  struct Shared;
+
  public:
   using Task = std::function<void()>;
 
@@ -35,6 +37,23 @@ class EventLoop {
 
   /// Queues `task` for the loop. Any thread. False (and `task` dropped) once closed.
   bool post(Task task);
+
+  /// A copyable handle that posts to this loop from any thread, and stays safe to use after
+  /// the EventLoop object is gone (it then refuses, as post() does once closed). For
+  /// libraries that call back on threads of their own.
+  class Poster {
+   public:
+    /// Refuses everything until assigned from EventLoop::poster().
+    Poster() = default;
+    bool post(Task task) const;
+
+   private:
+    friend class EventLoop;
+    explicit Poster(std::shared_ptr<struct EventLoop::Shared> shared)
+        : shared_(std::move(shared)) {}
+    std::shared_ptr<struct EventLoop::Shared> shared_;
+  };
+  Poster poster() const { return Poster(shared_); }
 
   /// Loop thread only: runs `task` after the current callback returns, within the same turn
   /// of the loop. Used so that user callbacks never run inside ferry's own I/O handling.
@@ -63,7 +82,6 @@ class EventLoop {
   void close(Task teardown);
 
  private:
-  struct Shared;
   static void on_async(uv_async_t* handle);
   static void on_idle(uv_idle_t* handle);
   static Error closed_error();

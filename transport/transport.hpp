@@ -54,8 +54,11 @@ struct Exposure {
 class ExposureObserver {
  public:
   virtual ~ExposureObserver() = default;
-  /// A peer presented the token for the first time; the exposure is now bound to it.
-  virtual void on_claimed(const std::string& peer) = 0;
+  /// A peer presented the token for the first time, over `method`; the exposure is now bound
+  /// to it. `peer` describes it for messages; `peer_id` is its connector id (16 hex digits),
+  /// empty if the transport does not learn it.
+  virtual void on_claimed(const std::string& method, const std::string& peer,
+                          const std::string& peer_id) = 0;
   /// The peer finished: with no error, all its bytes are in place (write) or it has read
   /// all it needed (read); with an error, it failed and says why. The exposure is gone.
   virtual void on_peer_finished(const std::string& peer, const std::optional<Error>& error) = 0;

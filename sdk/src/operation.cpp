@@ -39,6 +39,8 @@ const std::string& Operation::id() const { return state().id_hex; }
 
 const std::vector<Descriptor>& Operation::descriptors() const { return state().local; }
 
+std::string Operation::method() const { return state().method(); }
+
 std::optional<Error> Operation::error() const { return state().error(); }
 
 void Operation::wait_for_completion() const { state().wait(); }

@@ -1,6 +1,8 @@
+#include <algorithm>
 #include <cstdio>
 
 #include "sdk/src/core.hpp"
+#include "sidechannel/pairing.hpp"
 #include "transport/uv_handle.hpp"
 
 namespace ferry::detail {
@@ -29,8 +31,11 @@ void OperationState::arm(std::chrono::milliseconds timeout) {
   deadline_ = new uv_timer_t{};
   uv_timer_init(core->loop->uv(), deadline_);
   deadline_->data = this;
+  // libuv counts from the time it cached at the start of this loop turn; refresh it so
+  // that the deadline never fires before `timeout` has passed since this call.
+  uv_update_time(core->loop->uv());
   uv_timer_start(deadline_, &OperationState::on_deadline,
-                 static_cast<std::uint64_t>(timeout.count()), 0);
+                 static_cast<std::uint64_t>(timeout.count()) + 1, 0);
 }
 
 void OperationState::on_deadline(uv_timer_t* timer) {
@@ -56,6 +61,11 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
     if (final_status != OperationStatus::complete) transfer->cancel(reason);
     transfer.reset();
   }
+  stop_pairing();
+  if (serving != 0 && core->nats) core->nats->unsubscribe(serving);
+  serving = 0;
+  if (remote)
+    notify_peer(final_status == OperationStatus::complete ? std::nullopt : std::optional(reason));
   if (deadline_ != nullptr) {
     uv_timer_stop(deadline_);
     deadline_->data = nullptr;
@@ -150,8 +160,94 @@ void OperationState::on_complete(CompletionCallback callback) {
   if (!core->loop->post(run)) run();
 }
 
-void OperationState::on_claimed(const std::string&) {
+std::string OperationState::method() const {
+  std::lock_guard lock(mu_);
+  return method_;
+}
+
+void OperationState::set_method(const std::string& m) {
+  std::lock_guard lock(mu_);
+  method_ = m;
+}
+
+void OperationState::on_claimed(const std::string& m, const std::string&,
+                                const std::string& peer_id) {
+  set_method(m);
+  claimant = peer_id;
   if (status() == OperationStatus::initialized) set_status(OperationStatus::in_progress);
+}
+
+// Pairing by subject, active side ---------------------------------------------------------
+
+void OperationState::request_metadata() {
+  auto& nats = *core->nats;
+  sidechannel::MetadataRequest ask{kind, core->identity.name};
+  std::weak_ptr<OperationState> weak = weak_from_this();
+  request = nats.request(subject, sidechannel::encode(ask), [weak](const sidechannel::Message& m) {
+    if (auto self = weak.lock()) self->on_metadata_reply(m);
+  });
+  // An answer lost in a reconnect is asked for again after request_timeout.
+  if (retry == nullptr) {
+    retry = new uv_timer_t{};
+    uv_timer_init(core->loop->uv(), retry);
+    retry->data = this;
+  }
+  uv_timer_start(retry, &OperationState::on_retry,
+                 static_cast<std::uint64_t>(core->options.nats.request_timeout.count()), 0);
+}
+
+void OperationState::on_retry(uv_timer_t* timer) {
+  auto* self = static_cast<OperationState*>(timer->data);
+  if (self == nullptr || is_final(self->status())) return;
+  auto keep = self->shared_from_this();
+  if (self->core->nats) {
+    self->core->nats->cancel_request(self->request);
+    self->request_metadata();
+  }
+}
+
+void OperationState::on_metadata_reply(const sidechannel::Message& reply) {
+  if (is_final(status()) || remote) return;
+  request = 0;
+  if (reply.no_responders) {
+    // Nobody serves the subject yet: ask again soon, backing off up to a quarter second.
+    using std::chrono::milliseconds;
+    backoff = std::clamp(backoff * 2, milliseconds(2), milliseconds(250));
+    uv_timer_start(retry, &OperationState::on_retry, static_cast<std::uint64_t>(backoff.count()),
+                   0);
+    return;
+  }
+  uv_timer_stop(retry);
+  auto keep = shared_from_this();
+  try {
+    RdmaMetadata m = RdmaMetadata::from_json(reply.data);
+    // Valid metadata names its owner: from here on, however this ends, the owner is told.
+    remote = m;
+    check_remote(m, kind, local);
+    core->start_transfer(*this, m);
+  } catch (const Error& e) {
+    finish(OperationStatus::errored,
+           Error(e.code(), "the metadata served at '" + subject + "': " + e.message(), e.field()));
+  }
+}
+
+void OperationState::stop_pairing() {
+  if (request != 0 && core->nats) core->nats->cancel_request(request);
+  request = 0;
+  if (retry != nullptr) {
+    uv_timer_stop(retry);
+    retry->data = nullptr;
+    transport::close_and_delete(retry);
+    retry = nullptr;
+  }
+}
+
+void OperationState::notify_peer(const std::optional<Error>& error) {
+  if (!core->nats) return;
+  sidechannel::CompletionNotice notice{remote->notification_key, remote->token, core->identity.name,
+                                       core->identity.id, error};
+  core->nats->publish(core->nats->own_subject("notify." + remote->owner.id),
+                      sidechannel::encode(notice));
 }
 
 void OperationState::on_peer_finished(const std::string&, const std::optional<Error>& error) {

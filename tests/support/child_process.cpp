@@ -13,7 +13,8 @@
 
 namespace ferry::test {
 
-ChildProcess::ChildProcess(const std::vector<std::string>& argv) {
+ChildProcess::ChildProcess(const std::vector<std::string>& argv,
+                           const std::vector<std::string>& env) {
   int to_child[2];
   int from_child[2];
   if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0)
@@ -21,13 +22,26 @@ ChildProcess::ChildProcess(const std::vector<std::string>& argv) {
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  // The environment is built here: between fork and exec only async-signal-safe calls.
+  std::vector<std::string> merged;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string entry = *e;
+    std::string name = entry.substr(0, entry.find('='));
+    bool replaced = false;
+    for (const auto& add : env) replaced = replaced || add.substr(0, add.find('=')) == name;
+    if (!replaced) merged.push_back(entry);
+  }
+  merged.insert(merged.end(), env.begin(), env.end());
+  std::vector<char*> envp;
+  for (auto& e : merged) envp.push_back(e.data());
+  envp.push_back(nullptr);
   pid_ = fork();
   if (pid_ < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
   if (pid_ == 0) {
     // Only async-signal-safe calls between fork and exec: the parent has threads.
     dup2(to_child[0], STDIN_FILENO);
     dup2(from_child[1], STDOUT_FILENO);
-    execv(args[0], args.data());
+    execve(args[0], args.data(), envp.data());
     _exit(127);
   }
   ::close(to_child[0]);

@@ -13,7 +13,9 @@ namespace ferry::test {
 /// failing test never leaves a process behind.
 class ChildProcess {
  public:
-  explicit ChildProcess(const std::vector<std::string>& argv);
+  /// `env`: "NAME=value" entries added to (or replacing those of) this process's environment.
+  explicit ChildProcess(const std::vector<std::string>& argv,
+                        const std::vector<std::string>& env = {});
   ~ChildProcess();
   ChildProcess(const ChildProcess&) = delete;
   ChildProcess& operator=(const ChildProcess&) = delete;

@@ -9,7 +9,14 @@
 //   read SEED <json>      -> DONE ...          read the described readable, verify the bytes
 //   write SEED <json>     -> DONE ...          write patterned bytes into the described writable
 //   start_read <json>     -> STARTED           begin a read and do not wait (for kill tests)
+//   readable_at SUBJECT SIZE SEED -> READY     as readable, served at a NATS subject
+//   writable_at SUBJECT SIZE      -> READY     as writable, served at a NATS subject
+//   read_at SEED SIZE SUBJECT     -> DONE ...  read by subject, verify the bytes
+//   write_at SEED SIZE SUBJECT    -> DONE ...  write patterned bytes by subject
+//   start_read_at SIZE SUBJECT    -> STARTED   begin a read by subject and do not wait
 //   quit                  -> (exits 0)
+//
+// The NATS side channel comes from the environment (FERRY_NATS_URL).
 //
 // A transfer whose bytes do not verify answers "DONE corrupt <offset>".
 #include <cstdio>
@@ -119,6 +126,50 @@ int main(int argc, char** argv) {
         } catch (const Error&) {
         }
         if (cmd == "read" && active.status() == OperationStatus::complete) {
+          long long bad = test::first_mismatch(active_mem.get(), size, seed);
+          if (bad >= 0) {
+            say("DONE corrupt " + std::to_string(bad));
+            continue;
+          }
+        }
+        say(describe(active));
+      } else if (cmd == "readable_at" || cmd == "writable_at") {
+        std::string subject;
+        std::size_t size = 0;
+        std::uint64_t seed = 0;
+        in >> subject >> size >> seed;
+        passive_mem = make_buffer(size);
+        passive_size = size;
+        if (seed != 0) test::fill_pattern(passive_mem.get(), size, seed);
+        OperationOptions o;
+        o.subject = subject;
+        if (cmd == "readable_at")
+          passive = connector.create_readable({Descriptor(passive_mem.get(), size)}, o);
+        else
+          passive = connector.create_writable({Descriptor(passive_mem.get(), size)}, o);
+        say("READY");
+      } else if (cmd == "read_at" || cmd == "write_at" || cmd == "start_read_at") {
+        std::uint64_t seed = 0;
+        std::size_t size = 0;
+        std::string subject;
+        if (cmd != "start_read_at") in >> seed;
+        in >> size >> subject;
+        active_mem = make_buffer(size);
+        if (cmd == "write_at") {
+          test::fill_pattern(active_mem.get(), size, seed);
+          active = connector.begin_write({Descriptor(active_mem.get(), size)}, Subject(subject));
+        } else {
+          active = connector.begin_read(Subject(subject), {Descriptor(active_mem.get(), size)});
+        }
+        if (cmd == "start_read_at") {
+          say("STARTED");
+          continue;
+        }
+        try {
+          active.wait_for_completion();
+        } catch (const Error&) {
+        }
+        if (cmd == "read_at" && active.status() == OperationStatus::complete) {
           long long bad = test::first_mismatch(active_mem.get(), size, seed);
           if (bad >= 0) {
             say("DONE corrupt " + std::to_string(bad));

@@ -63,6 +63,9 @@ class Connection {
   const std::string& peer_address() const noexcept { return peer_address_; }
   const std::string& peer_name() const noexcept { return peer_name_; }
   void set_peer_name(std::string name) { peer_name_ = std::move(name); }
+  /// The peer connector's id, from its HELLO (16 hex digits); empty before.
+  const std::string& peer_id() const noexcept { return peer_id_; }
+  void set_peer_id(std::string id) { peer_id_ = std::move(id); }
   /// Whether the peer's HELLO has arrived (it must be its first frame).
   bool greeted() const noexcept { return greeted_; }
   void set_greeted() noexcept { greeted_ = true; }
@@ -136,6 +139,7 @@ class Connection {
   std::uint64_t id_;
   std::string peer_address_;
   std::string peer_name_;
+  std::string peer_id_;
   std::chrono::milliseconds peer_timeout_;
 
   uv_poll_t* poll_ = nullptr;

@@ -308,10 +308,11 @@ void TcpTransport::claim(ExposureTable::Entry& entry, Connection& conn) {
   if (!ExposureTable::claim(entry, conn.id(), conn.peer_name())) return;
   std::uint64_t id = entry.exposure.id;
   std::string peer = conn.describe_peer();
-  defer_([this, life = std::weak_ptr<int>(life_), id, peer] {
+  std::string peer_id = conn.peer_id();
+  defer_([this, life = std::weak_ptr<int>(life_), id, peer, peer_id] {
     if (life.expired()) return;
     auto it = exposure_observers_.find(id);
-    if (it != exposure_observers_.end()) it->second->on_claimed(peer);
+    if (it != exposure_observers_.end()) it->second->on_claimed(caps_.method, peer, peer_id);
   });
 }
 
@@ -336,8 +337,14 @@ Connection::Sink TcpTransport::serve_frame(Connection& conn, const FrameHeader& 
     if (h.type != FrameType::hello) return fatal("expected HELLO as the first frame");
     conn.set_greeted();
     conn.set_peer_name(message.substr(0, 256));
+    if (h.op_id != 0) {
+      char id[24];
+      std::snprintf(id, sizeof id, "%016llx", static_cast<unsigned long long>(h.op_id));
+      conn.set_peer_id(id);
+    }
     FrameHeader reply;
     reply.type = FrameType::hello;
+    reply.op_id = options_.local_id;
     conn.send(reply, options_.local_name);
     return {};
   }
@@ -474,6 +481,7 @@ Connection* TcpTransport::connect_to(const SocketAddress& address, const std::st
   pool_[key] = raw;
   FrameHeader hello;
   hello.type = FrameType::hello;
+  hello.op_id = options_.local_id;  // HELLO carries the connector's id here
   raw->send(hello, options_.local_name);
   if (!raw->open()) {
     error = "connection closed at once";

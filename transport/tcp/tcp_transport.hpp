@@ -33,7 +33,8 @@ class TcpTransport final : public Transport, private Connection::Handler {
     std::uint64_t window = 16u << 20;
     std::uint64_t max_request = 16u << 20;
     std::chrono::milliseconds peer_timeout{2000};
-    std::string local_name;  ///< sent in HELLO, shown in peers' errors
+    std::string local_name;      ///< sent in HELLO, shown in peers' errors
+    std::uint64_t local_id = 0;  ///< the connector's id, sent in HELLO
   };
   /// Runs `task` after the current loop callback (EventLoop::defer).
   using Defer = std::function<void(std::function<void()>)>;

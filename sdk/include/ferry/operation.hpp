@@ -30,6 +30,10 @@ struct OperationOptions {
   /// `default_timeout` (and zero there means no deadline). When it passes, the operation is
   /// `errored` with ErrorCode::Timeout and, if passive, its token dies with it.
   std::chrono::milliseconds timeout{0};
+  /// Passive operations: a NATS subject at which to serve the metadata (request/reply) until
+  /// the operation ends, so that a peer can pair by subject. Empty: none. Needs the
+  /// connector's side channel.
+  std::string subject;
 };
 
 /// What every operation handle offers. Handles are move-only; the operation itself lives on
@@ -58,6 +62,10 @@ class Operation {
   /// The operation's id at this connector (16 hex digits); a passive operation's metadata
   /// carries it as its notification key. Any thread.
   const std::string& id() const;
+  /// The method that moves (or moved) the bytes, e.g. "tcp"; empty until one is chosen (an
+  /// active operation paired by subject chooses once the metadata arrives; a passive one
+  /// once its peer claims it). Any thread.
+  std::string method() const;
   /// The local descriptors, as given. Any thread.
   const std::vector<Descriptor>& descriptors() const;
   /// Why the operation was cancelled or errored; empty otherwise. Any thread.

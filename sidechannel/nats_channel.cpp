@@ -1,0 +1,383 @@
+#include "sidechannel/nats_channel.hpp"
+
+#include <nats/nats.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+// cnats' libuv adapter defines its functions in the header: this must stay the one
+// translation unit that includes it.
+#include <nats/adapters/libuv.h>
+
+namespace ferry::sidechannel {
+
+std::string subject_problem(std::string_view subject) {
+  if (subject.empty()) return "is empty";
+  if (subject.size() > 1024) return "is longer than 1024 characters";
+  std::size_t start = 0;
+  for (;;) {
+    std::size_t dot = subject.find('.', start);
+    std::string_view token =
+        subject.substr(start, dot == std::string_view::npos ? std::string_view::npos : dot - start);
+    if (token.empty()) return "has an empty token";
+    if (token.find_first_of("*>") != std::string_view::npos) return "contains a wildcard";
+    for (char c : token)
+      if (static_cast<unsigned char>(c) <= ' ' || c == 0x7f)
+        return "contains whitespace or a control character";
+    if (dot == std::string_view::npos) break;
+    start = dot + 1;
+  }
+  return {};
+}
+
+namespace {
+
+std::string status_text(natsStatus s) {
+  std::string text = natsStatus_GetText(s);
+  // cnats keeps a more precise message (e.g. the server's -ERR) per thread.
+  if (const char* last = nats_GetLastError(nullptr); last != nullptr && *last != '\0') {
+    if (text != last) text += ": " + std::string(last);
+  }
+  return text;
+}
+
+void check(natsStatus s, const char* what) {
+  if (s != NATS_OK) throw Error(ErrorCode::SideChannel, std::string(what) + ": " + status_text(s));
+}
+
+}  // namespace
+
+// Loop-side state. Shared with cnats callbacks through weak references, so that a message
+// that arrives while the channel closes finds nothing instead of a dangling pointer.
+struct NatsChannel::State {
+  EventLoop::Poster poster;
+  std::string prefix;
+  std::string inbox;  // "<prefix>.inbox.<client id>"
+  std::function<void(SideChannelEvent, const std::string&)> on_event;
+
+  // Loop thread only.
+  std::unordered_map<std::uint64_t, MessageHandler> subs;
+  std::unordered_map<std::uint64_t, MessageHandler> requests;
+  std::uint64_t next_sub = 1;
+  std::uint64_t next_request = 1;
+  bool connected = true;
+
+  // Written by cnats' callback thread, read by the loop.
+  std::atomic<std::int64_t> max_payload{0};
+
+  void deliver(std::uint64_t sub, const Message& m) {
+    auto it = subs.find(sub);
+    if (it == subs.end()) return;
+    // Copy: the handler may unsubscribe itself.
+    MessageHandler handler = it->second;
+    handler(m);
+  }
+  void answer(const Message& m) {
+    // Inbox subjects end in the request's number.
+    auto dot = m.subject.rfind('.');
+    if (dot == std::string::npos) return;
+    std::uint64_t id = std::strtoull(m.subject.c_str() + dot + 1, nullptr, 10);
+    auto it = requests.find(id);
+    if (it == requests.end()) return;  // answered already, or cancelled
+    MessageHandler handler = std::move(it->second);
+    requests.erase(it);
+    handler(m);
+  }
+};
+
+// cnats calls made off the loop, in order (see the class comment).
+struct NatsChannel::Outbox {
+  natsConnection* nc = nullptr;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> tasks;                    // guarded by mu
+  bool stopping = false;                                      // guarded by mu
+  std::unordered_map<std::uint64_t, natsSubscription*> subs;  // worker thread only
+  std::thread thread;
+
+  void start() {
+    thread = std::thread([this] {
+      for (;;) {
+        std::function<void()> task;
+        {
+          std::unique_lock lock(mu);
+          cv.wait(lock, [&] { return stopping || !tasks.empty(); });
+          if (tasks.empty()) return;  // stopping, and everything queued has run
+          task = std::move(tasks.front());
+          tasks.pop_front();
+        }
+        task();
+      }
+    });
+  }
+  void push(std::function<void()> task) {
+    {
+      std::lock_guard lock(mu);
+      if (stopping) return;
+      tasks.push_back(std::move(task));
+    }
+    cv.notify_one();
+  }
+  // Runs what is queued (completion notices among it), then ends the thread.
+  void stop() {
+    {
+      std::lock_guard lock(mu);
+      stopping = true;
+    }
+    cv.notify_one();
+    if (thread.joinable()) thread.join();
+  }
+};
+
+namespace {
+
+// What a cnats subscription calls back with: enough to find the handler on the loop.
+struct SubClosure {
+  std::weak_ptr<NatsChannel::State> state;  // NOLINT: State is private but complete here
+  EventLoop::Poster poster;
+  std::uint64_t id = 0;
+  bool inbox = false;
+};
+
+void on_message(natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+  auto* c = static_cast<SubClosure*>(closure);
+  Message m;
+  m.subject = natsMsg_GetSubject(msg);
+  if (const char* reply = natsMsg_GetReply(msg)) m.reply = reply;
+  if (const char* data = natsMsg_GetData(msg))
+    m.data.assign(data, static_cast<std::size_t>(natsMsg_GetDataLength(msg)));
+  m.no_responders = natsMsg_IsNoResponders(msg);
+  natsMsg_Destroy(msg);
+  c->poster.post([state = c->state, id = c->id, inbox = c->inbox, m = std::move(m)] {
+    auto s = state.lock();
+    if (!s) return;
+    if (inbox)
+      s->answer(m);
+    else
+      s->deliver(id, m);
+  });
+}
+
+// cnats calls this once no more messages of the subscription will be delivered.
+void on_sub_complete(void* closure) { delete static_cast<SubClosure*>(closure); }
+
+// What cnats' connection events call back with. Freed by the closed event, the last one
+// cnats delivers for a connection (or by the constructor when the connect fails).
+struct EventClosure {
+  std::weak_ptr<NatsChannel::State> state;
+  EventLoop::Poster poster;
+};
+
+void post_event(natsConnection* nc, void* closure, SideChannelEvent event, std::string detail) {
+  auto* c = static_cast<EventClosure*>(closure);
+  std::int64_t max_payload = nc != nullptr ? natsConnection_GetMaxPayload(nc) : 0;
+  c->poster.post([state = c->state, event, detail = std::move(detail), max_payload] {
+    auto s = state.lock();
+    if (!s) return;
+    if (event == SideChannelEvent::disconnected || event == SideChannelEvent::closed)
+      s->connected = false;
+    if (event == SideChannelEvent::reconnected) {
+      s->connected = true;
+      if (max_payload > 0) s->max_payload = max_payload;
+    }
+    if (s->on_event) s->on_event(event, detail);
+  });
+}
+
+std::string current_url(natsConnection* nc) {
+  char buf[512] = {};
+  if (natsConnection_GetConnectedUrl(nc, buf, sizeof buf) == NATS_OK) return buf;
+  return "the NATS server";
+}
+
+void on_disconnected(natsConnection* nc, void* closure) {
+  post_event(nc, closure, SideChannelEvent::disconnected, "lost the connection to NATS");
+}
+void on_reconnected(natsConnection* nc, void* closure) {
+  post_event(nc, closure, SideChannelEvent::reconnected, current_url(nc));
+}
+void on_closed(natsConnection*, void* closure) {
+  post_event(nullptr, closure, SideChannelEvent::closed, "the NATS connection is closed");
+  delete static_cast<EventClosure*>(closure);
+}
+void on_error(natsConnection*, natsSubscription*, natsStatus err, void* closure) {
+  post_event(nullptr, closure, SideChannelEvent::error, natsStatus_GetText(err));
+}
+
+}  // namespace
+
+NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string client_id)
+    : loop_(loop), state_(std::make_shared<State>()), outbox_(std::make_unique<Outbox>()) {
+  state_->poster = loop.poster();
+  state_->prefix = o.prefix.empty() ? "ferry" : o.prefix;
+  state_->inbox = state_->prefix + ".inbox." + client_id;
+  state_->on_event = o.on_event;
+  if (auto why = subject_problem(state_->inbox); !why.empty())
+    throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + state_->prefix + "' " + why);
+
+  natsLibuv_Init();
+  // The adapter finds the loop's thread through this thread-local; the connect below
+  // attaches the socket from here, on the loop thread, as the adapter requires.
+  natsLibuv_SetThreadLocalLoop(loop.uv());
+
+  natsOptions* opts = nullptr;
+  check(natsOptions_Create(&opts), "natsOptions_Create");
+  std::unique_ptr<natsOptions, void (*)(natsOptions*)> guard(opts, natsOptions_Destroy);
+  std::vector<const char*> urls;
+  for (const auto& u : o.servers) urls.push_back(u.c_str());
+  check(natsOptions_SetServers(opts, urls.data(), static_cast<int>(urls.size())), "servers");
+  check(natsOptions_SetNoRandomize(opts, true), "servers");
+  if (!o.user.empty() || !o.password.empty())
+    check(natsOptions_SetUserInfo(opts, o.user.c_str(), o.password.c_str()), "user/password");
+  if (!o.token.empty()) check(natsOptions_SetToken(opts, o.token.c_str()), "token");
+  if (!o.nkey_public.empty() || !o.nkey_seed_file.empty())
+    check(natsOptions_SetNKeyFromSeed(opts, o.nkey_public.c_str(), o.nkey_seed_file.c_str()),
+          "NKey");
+  if (!o.creds_file.empty())
+    check(natsOptions_SetUserCredentialsFromFiles(opts, o.creds_file.c_str(), nullptr),
+          "credentials file");
+  if (!o.tls_ca_file.empty() || !o.tls_cert_file.empty() || !o.tls_key_file.empty()) {
+    check(natsOptions_SetSecure(opts, true), "TLS");
+    if (!o.tls_ca_file.empty())
+      check(natsOptions_LoadCATrustedCertificates(opts, o.tls_ca_file.c_str()), "TLS CA file");
+    if (!o.tls_cert_file.empty() || !o.tls_key_file.empty())
+      check(
+          natsOptions_LoadCertificatesChain(opts, o.tls_cert_file.c_str(), o.tls_key_file.c_str()),
+          "TLS certificate/key");
+  }
+  if (!o.connection_name.empty())
+    check(natsOptions_SetName(opts, o.connection_name.c_str()), "name");
+  check(natsOptions_SetTimeout(opts, o.connect_timeout.count()), "connect_timeout");
+  check(natsOptions_SetReconnectWait(opts, o.reconnect_wait.count()), "reconnect_wait");
+  check(natsOptions_SetMaxReconnect(opts, o.max_reconnect), "max_reconnect");
+  check(natsOptions_SetAllowReconnect(opts, true), "reconnect");
+  // Without it every publish waits for cnats' flusher, about a millisecond.
+  check(natsOptions_SetSendAsap(opts, true), "send_asap");
+  // One pool of delivery threads instead of a thread per subscription.
+  check(natsOptions_UseGlobalMessageDelivery(opts, true), "message delivery");
+  check(natsOptions_SetEventLoop(opts, loop.uv(), natsLibuv_Attach, natsLibuv_Read, natsLibuv_Write,
+                                 natsLibuv_Detach),
+        "event loop");
+  auto* events = new EventClosure{state_, loop.poster()};
+  natsOptions_SetDisconnectedCB(opts, on_disconnected, events);
+  natsOptions_SetReconnectedCB(opts, on_reconnected, events);
+  natsOptions_SetClosedCB(opts, on_closed, events);
+  natsOptions_SetErrorHandler(opts, on_error, events);
+
+  natsConnection* nc = nullptr;
+  natsStatus s = natsConnection_Connect(&nc, opts);
+  if (s != NATS_OK) {
+    delete events;  // a failed connect calls back nothing
+    std::string where;
+    for (const auto& u : o.servers) where += (where.empty() ? "" : ", ") + u;
+    std::string why = status_text(s);
+    if (s == NATS_CONNECTION_AUTH_FAILED || why.find("uthorization") != std::string::npos)
+      throw Error(ErrorCode::AccessDenied,
+                  "the NATS server at " + where + " refused the credentials: " + why);
+    throw Error(ErrorCode::SideChannel, "cannot connect to NATS at " + where + ": " + why);
+  }
+  outbox_->nc = nc;
+  url_ = current_url(nc);
+  state_->max_payload = natsConnection_GetMaxPayload(nc);
+  char* ip = nullptr;
+  int port = 0;
+  if (natsConnection_GetLocalIPAndPort(nc, &ip, &port) == NATS_OK && ip != nullptr) {
+    local_ip_ = ip;
+    free(ip);  // allocated by cnats
+  }
+  outbox_->start();
+
+  // Answers to this connector's requests arrive at "<inbox>.<n>".
+  inbox_sub_ = subscribe(state_->inbox + ".*", {}, nullptr);
+}
+
+NatsChannel::~NatsChannel() {
+  // Handlers die first, so that messages arriving during the close find nothing.
+  state_->subs.clear();
+  state_->requests.clear();
+  std::weak_ptr<State> gone = state_;
+  state_.reset();
+  natsConnection* nc = outbox_->nc;
+  std::unordered_map<std::uint64_t, natsSubscription*> subs;
+  outbox_->push([&] { subs.swap(outbox_->subs); });
+  outbox_->stop();
+  // On the loop thread: this cnats' adapter stops polling synchronously only there, before
+  // cnats closes the socket.
+  natsConnection_Close(nc);
+  for (auto& [id, sub] : subs) natsSubscription_Destroy(sub);
+  natsConnection_Destroy(nc);
+}
+
+std::string NatsChannel::own_subject(std::string_view suffix) const {
+  return state_->prefix + "." + std::string(suffix);
+}
+
+std::int64_t NatsChannel::max_payload() const noexcept { return state_->max_payload; }
+
+bool NatsChannel::connected() const noexcept { return state_->connected; }
+
+std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::string& queue,
+                                     MessageHandler handler) {
+  const std::uint64_t id = state_->next_sub++;
+  const bool inbox = !handler;
+  if (handler) state_->subs.emplace(id, std::move(handler));
+  auto* closure = new SubClosure{state_, loop_.poster(), id, inbox};
+  outbox_->push([this, id, subject, queue, closure] {
+    natsSubscription* sub = nullptr;
+    natsStatus s =
+        queue.empty()
+            ? natsConnection_Subscribe(&sub, outbox_->nc, subject.c_str(), on_message, closure)
+            : natsConnection_QueueSubscribe(&sub, outbox_->nc, subject.c_str(), queue.c_str(),
+                                            on_message, closure);
+    if (s != NATS_OK) {
+      std::fprintf(stderr, "ferry: NATS subscribe to %s failed: %s\n", subject.c_str(),
+                   natsStatus_GetText(s));
+      delete closure;
+      return;
+    }
+    natsSubscription_SetOnCompleteCB(sub, on_sub_complete, closure);
+    outbox_->subs[id] = sub;
+  });
+  return id;
+}
+
+void NatsChannel::unsubscribe(std::uint64_t id) {
+  state_->subs.erase(id);
+  outbox_->push([this, id] {
+    auto it = outbox_->subs.find(id);
+    if (it == outbox_->subs.end()) return;
+    natsSubscription_Unsubscribe(it->second);
+    natsSubscription_Destroy(it->second);
+    outbox_->subs.erase(it);
+  });
+}
+
+void NatsChannel::publish(const std::string& subject, std::string data, const std::string& reply) {
+  outbox_->push([this, subject, data = std::move(data), reply] {
+    natsStatus s = reply.empty()
+                       ? natsConnection_Publish(outbox_->nc, subject.c_str(), data.data(),
+                                                static_cast<int>(data.size()))
+                       : natsConnection_PublishRequest(outbox_->nc, subject.c_str(), reply.c_str(),
+                                                       data.data(), static_cast<int>(data.size()));
+    if (s != NATS_OK)
+      std::fprintf(stderr, "ferry: NATS publish to %s failed: %s\n", subject.c_str(),
+                   natsStatus_GetText(s));
+  });
+}
+
+std::uint64_t NatsChannel::request(const std::string& subject, std::string data,
+                                   MessageHandler handler) {
+  const std::uint64_t id = state_->next_request++;
+  state_->requests.emplace(id, std::move(handler));
+  publish(subject, std::move(data), state_->inbox + "." + std::to_string(id));
+  return id;
+}
+
+void NatsChannel::cancel_request(std::uint64_t id) { state_->requests.erase(id); }
+
+}  // namespace ferry::sidechannel
