@@ -106,6 +106,11 @@ bool EventLoop::Poster::post(Task task) const {
 
 void EventLoop::defer(Task task) {
   Shared& s = *shared_;
+  if (s.idle == nullptr) {
+    // Closed: no later turn will come; run it now.
+    run_guarded(task);
+    return;
+  }
   s.deferred.push_back(std::move(task));
   if (!s.idle_active && s.idle != nullptr) {
     // An active idle handle also makes the loop poll without blocking, so deferred work runs
@@ -160,6 +165,8 @@ void EventLoop::close(Task teardown) {
     close_handle(s->async);
     close_handle(s->idle);
     s->idle_active = false;
+    // The thread may end and its id be reused by another: it is nobody's loop thread now.
+    s->loop_thread.store(std::thread::id{});
     done->set_value();
   };
 

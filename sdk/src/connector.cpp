@@ -146,6 +146,8 @@ Core::Core(ConnectorOptions opts) : options(std::move(opts)), next_id_(random_u6
   identity.id = hex16(random_u64());
   identity.host = host_name();
   identity.pid = ::getpid();
+  if (identity.name.size() > 256)
+    throw Error(ErrorCode::InvalidArgument, "the connector's name is longer than 256 characters");
   if (options.peer_timeout.count() <= 0)
     throw Error(ErrorCode::InvalidArgument, "peer_timeout must be positive");
   if (options.default_timeout.count() < 0)

@@ -23,6 +23,10 @@ thread_local std::byte discard_buffer[256 * 1024];
 constexpr std::uint64_t kReadBudget = 16u << 20;
 constexpr int kMaxIov = 64;
 
+// Back-pressure on server connections (see owned_bytes_).
+constexpr std::size_t kHighFrames = 4096;
+constexpr std::uint64_t kHighBytes = 8u << 20;
+
 }  // namespace
 
 Connection::Connection(uv_loop_t* loop, Handler& handler, Role role, int fd, std::uint64_t id,
@@ -47,9 +51,7 @@ Connection::Connection(uv_loop_t* loop, Handler& handler, Role role, int fd, std
   timer_ = new uv_timer_t{};
   uv_timer_init(loop_, timer_);
   timer_->data = this;
-  if (connecting_)
-    uv_timer_start(timer_, &Connection::on_timer, static_cast<std::uint64_t>(peer_timeout_.count()),
-                   0);
+  watchdog();
   update_poll();
 }
 
@@ -82,13 +84,56 @@ void Connection::close_socket() {
   }
 }
 
+void Connection::set_greeted() noexcept {
+  greeted_ = true;
+  watchdog();
+}
+
+void Connection::expect_answers(int delta) noexcept {
+  bool before = awaiting_ > 0;
+  awaiting_ += delta;
+  if ((awaiting_ > 0) != before) watchdog();
+}
+
+void Connection::set_notice(std::uint32_t code, std::string message) {
+  notice_code_ = code;
+  notice_ = std::move(message);
+}
+
+bool Connection::awaiting_peer() const noexcept {
+  return connecting_ || closing_after_flush_ || !greeted_ || awaiting_ > 0;
+}
+
+void Connection::watchdog() {
+  if (closed_ || timer_ == nullptr) return;
+  if (!awaiting_peer()) {
+    uv_timer_stop(timer_);
+    return;
+  }
+  uv_timer_start(timer_, &Connection::on_timer, static_cast<std::uint64_t>(peer_timeout_.count()),
+                 0);
+}
+
+void Connection::account(std::int64_t owned_delta) noexcept {
+  owned_bytes_ = static_cast<std::uint64_t>(static_cast<std::int64_t>(owned_bytes_) + owned_delta);
+  if (role_ != Role::server) return;
+  if (!backlogged_ && (out_.size() > kHighFrames || owned_bytes_ > kHighBytes)) {
+    backlogged_ = true;
+    update_poll();
+  } else if (backlogged_ && out_.size() < kHighFrames / 2 && owned_bytes_ < kHighBytes / 2) {
+    backlogged_ = false;
+    update_poll();
+  }
+}
+
 void Connection::update_poll() {
   if (closed_ || poll_ == nullptr) return;
   int events = 0;
   if (connecting_) {
     events = UV_WRITABLE;
   } else {
-    if (!closing_after_flush_) events |= UV_READABLE;
+    // Closing: input is still read (and dropped) until the peer closes; see drain().
+    if (closing_after_flush_ || !backlogged_) events |= UV_READABLE;
     if (!out_.empty()) events |= UV_WRITABLE;
   }
   if (events == poll_events_) return;
@@ -103,7 +148,11 @@ void Connection::on_poll(uv_poll_t* handle, int status, int events) {
   auto* self = static_cast<Connection*>(handle->data);
   if (self == nullptr || self->closed_) return;
   if (status < 0) {
-    self->fail(std::string("socket error: ") + uv_strerror(status));
+    // libuv reports any POLLERR as EBADF; the socket knows what really happened.
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (getsockopt(self->fd_, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err == 0) err = EIO;
+    self->fail(socket_error_text(err));
     return;
   }
   if (self->connecting_) {
@@ -117,10 +166,15 @@ void Connection::on_poll(uv_poll_t* handle, int status, int events) {
 void Connection::on_timer(uv_timer_t* handle) {
   auto* self = static_cast<Connection*>(handle->data);
   if (self == nullptr || self->closed_) return;
+  const std::string ms = std::to_string(self->peer_timeout_.count()) + " ms";
   if (self->connecting_)
-    self->fail("connect timed out after " + std::to_string(self->peer_timeout_.count()) + " ms");
+    self->fail("connect timed out after " + ms);
   else if (self->closing_after_flush_)
     self->fail(self->close_reason_);
+  else if (!self->greeted_)
+    self->fail("no HELLO from the peer within " + ms);
+  else
+    self->fail("the peer has not answered for " + ms);
 }
 
 void Connection::finish_connect() {
@@ -132,7 +186,7 @@ void Connection::finish_connect() {
     return;
   }
   connecting_ = false;
-  uv_timer_stop(timer_);
+  watchdog();
   handler_.on_connected(*this);
   if (closed_) return;
   update_poll();
@@ -152,6 +206,7 @@ void Connection::send(const FrameHeader& header, std::string_view message, const
     f.payload_len = header.len;
   }
   f.tag = tag;
+  account(static_cast<std::int64_t>(kHeaderSize + f.message.size()));
   // Writing at once keeps a lone small frame off the next loop turn; a queue that is still
   // draining is left to the writable event.
   if (out_.size() == 1 && corked_ == 0) flush();
@@ -178,13 +233,16 @@ void Connection::release(std::uint64_t tag,
         f.owned = std::move(copy);
         f.owned_from = from;
         f.payload = nullptr;
+        account(static_cast<std::int64_t>(rest));
       }
       ++it;
       continue;
     }
     if (replacement) {
+      auto before = static_cast<std::int64_t>(f.message.size());
       f.message.clear();
       replacement(f.header, f.message);
+      account(static_cast<std::int64_t>(f.message.size()) - before);
       f.header.len = 0;
       f.header.msg_len = static_cast<std::uint32_t>(f.message.size());
       f.header_bytes = encode(f.header);
@@ -192,6 +250,7 @@ void Connection::release(std::uint64_t tag,
       f.payload_len = 0;
       ++it;
     } else {
+      account(-static_cast<std::int64_t>(kHeaderSize + f.message.size()));
       it = out_.erase(it);
     }
   }
@@ -231,7 +290,12 @@ void Connection::flush() {
         iov[count++] = {const_cast<std::byte*>(at), f.payload_len - off};
       }
     }
-    ssize_t n = ::writev(fd_, iov, count);
+    // sendmsg, not writev: MSG_NOSIGNAL turns a write to a reset peer into EPIPE instead of
+    // a SIGPIPE that would kill the process.
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<std::size_t>(count);
+    ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
@@ -246,23 +310,57 @@ void Connection::flush() {
       left -= take;
       if (f.sent == f.total()) {
         if (f.tag != 0) sent_tags.push_back(f.tag);
+        std::uint64_t owned =
+            kHeaderSize + f.message.size() + (f.owned ? f.payload_len - f.owned_from : 0);
         out_.pop_front();
+        account(-static_cast<std::int64_t>(owned));
       }
     }
+    // The peer takes our bytes: it is alive.
+    if (awaiting_peer()) watchdog();
   }
   update_poll();
   for (std::uint64_t tag : sent_tags) {
     if (closed_) return;
     handler_.on_sent(*this, tag);
   }
-  if (closing_after_flush_ && out_.empty() && !closed_) fail(close_reason_);
+  if (closing_after_flush_ && out_.empty() && !closed_) drain();
+}
+
+void Connection::drain() {
+  if (!write_shut_ && out_.empty()) {
+    // Our last frame (the notice) has left: say we are done sending, but keep reading until
+    // the peer closes. Closing a socket with unread input makes the kernel send a reset,
+    // which can destroy the notice before the peer reads it.
+    ::shutdown(fd_, SHUT_WR);
+    write_shut_ = true;
+    update_poll();
+  }
+  // At most a read budget per loop turn; the watchdog, which reading does not re-arm here,
+  // ends the whole drain after peer_timeout.
+  for (std::uint64_t budget = kReadBudget; budget > 0;) {
+    ssize_t n = ::read(fd_, discard_buffer, sizeof discard_buffer);
+    if (n > 0) {
+      budget -= std::min(budget, static_cast<std::uint64_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    fail(close_reason_);
+    return;
+  }
 }
 
 void Connection::read_some() {
+  if (closing_after_flush_) {
+    drain();
+    return;
+  }
   // Answers to all the frames read in this callback leave together.
   Cork cork(*this);
   std::uint64_t budget = kReadBudget;
-  while (!closed_ && !closing_after_flush_ && budget > 0) {
+  bool heard = false;
+  while (!closed_ && !closing_after_flush_ && !backlogged_ && budget > 0) {
     ssize_t n = 0;
     switch (state_) {
       case ReadState::header:
@@ -293,6 +391,10 @@ void Connection::read_some() {
     }
     auto got = static_cast<std::uint64_t>(n);
     budget -= std::min(budget, got);
+    if (!heard) {
+      heard = true;
+      if (awaiting_peer()) watchdog();
+    }
     switch (state_) {
       case ReadState::header:
         header_got_ += got;
@@ -362,9 +464,8 @@ void Connection::fail_after_notice(std::uint32_t code, const std::string& reason
   close_reason_ = "protocol error: " + reason;
   if (closed_) return;
   update_poll();
-  uv_timer_start(timer_, &Connection::on_timer, static_cast<std::uint64_t>(peer_timeout_.count()),
-                 0);
-  if (out_.empty()) fail(close_reason_);
+  watchdog();
+  if (out_.empty()) drain();
 }
 
 void Connection::fail(const std::string& reason) {

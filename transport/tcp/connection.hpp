@@ -49,7 +49,12 @@ class Connection {
   };
 
   /// Takes ownership of `fd` (non-blocking). `connecting`: a client whose connect() is under
-  /// way; it is failed if not done within `peer_timeout`.
+  /// way.
+  ///
+  /// A watchdog fails the connection when the peer has been silent (nothing received, nothing
+  /// of ours accepted) for `peer_timeout` while we wait for it: for connect() to finish, for
+  /// its HELLO, for answers to requests (expect_answers), or for our last frames to leave
+  /// before a close. An idle pooled connection is left alone.
   Connection(uv_loop_t* loop, Handler& handler, Role role, int fd, std::uint64_t id,
              std::string peer_address, std::chrono::milliseconds peer_timeout, bool connecting);
   /// Closes the socket without calling the handler.
@@ -68,7 +73,13 @@ class Connection {
   void set_peer_id(std::string id) { peer_id_ = std::move(id); }
   /// Whether the peer's HELLO has arrived (it must be its first frame).
   bool greeted() const noexcept { return greeted_; }
-  void set_greeted() noexcept { greeted_ = true; }
+  void set_greeted() noexcept;
+  /// Counts requests whose answers are awaited (+1 sent, -1 answered or forgotten).
+  void expect_answers(int delta) noexcept;
+  /// A server's STATUS notice (req_id 0) sent before it closes: the close's real reason.
+  void set_notice(std::uint32_t code, std::string message);
+  std::uint32_t notice_code() const noexcept { return notice_code_; }
+  const std::string& notice() const noexcept { return notice_; }
   /// "'name' at 1.2.3.4:5" for messages.
   std::string describe_peer() const;
 
@@ -124,6 +135,9 @@ class Connection {
 
   static void on_poll(uv_poll_t* handle, int status, int events);
   static void on_timer(uv_timer_t* handle);
+  void watchdog();
+  bool awaiting_peer() const noexcept;
+  void account(std::int64_t owned_delta) noexcept;
   void finish_connect();
   void read_some();
   void flush();
@@ -131,6 +145,7 @@ class Connection {
   void start_frame();
   void finish_payload();
   void close_socket();
+  void drain();
 
   uv_loop_t* loop_;
   Handler& handler_;
@@ -150,7 +165,16 @@ class Connection {
   bool greeted_ = false;
   int corked_ = 0;
   bool closing_after_flush_ = false;
+  bool write_shut_ = false;
   std::string close_reason_;
+  int awaiting_ = 0;
+  std::uint32_t notice_code_ = 0;
+  std::string notice_;
+  // Bytes this connection owns in its queue (headers, texts, copies). A server connection
+  // whose queue grows past a high-water mark stops reading requests until it drains, so a
+  // client that never reads cannot make it grow without bound.
+  std::uint64_t owned_bytes_ = 0;
+  bool backlogged_ = false;
 
   std::deque<OutFrame> out_;
 

@@ -107,6 +107,9 @@ TcpTransport::TcpTransport(uv_loop_t* loop, Defer defer, Options options)
   uv_poll_init(loop_, listen_poll_, listen_fd_);
   listen_poll_->data = this;
   uv_poll_start(listen_poll_, UV_READABLE, &TcpTransport::on_listen);
+  listen_retry_ = new uv_timer_t{};
+  uv_timer_init(loop_, listen_retry_);
+  listen_retry_->data = this;
 }
 
 TcpTransport::~TcpTransport() { close(); }
@@ -123,6 +126,9 @@ void TcpTransport::close() {
     listen_poll_ = nullptr;
     ::close(listen_fd_);
     listen_fd_ = -1;
+    uv_timer_stop(listen_retry_);
+    close_and_delete(listen_retry_);
+    listen_retry_ = nullptr;
   }
   for (auto& [id, t] : transfers_) {
     t->finished = true;
@@ -155,10 +161,27 @@ void TcpTransport::accept_all() {
                        SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK)
-        std::fprintf(stderr, "ferry: tcp accept failed: %s\n", socket_error_text(errno).c_str());
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      // Out of descriptors or memory: the listener stays readable, so stop watching it for a
+      // moment instead of spinning, and say so once per pause.
+      std::fprintf(stderr, "ferry: tcp accept failed (%s); pausing the listener for 100 ms\n",
+                   socket_error_text(errno).c_str());
+      uv_poll_stop(listen_poll_);
+      uv_timer_start(
+          listen_retry_,
+          [](uv_timer_t* t) {
+            auto* self = static_cast<TcpTransport*>(t->data);
+            if (self->listen_poll_ != nullptr)
+              uv_poll_start(self->listen_poll_, UV_READABLE, &TcpTransport::on_listen);
+          },
+          100, 0);
       return;
     }
+    if (accepted_ >= options_.max_connections) {
+      ::close(fd);
+      continue;
+    }
+    ++accepted_;
     apply_peer_options(fd, options_.peer_timeout);
     std::uint64_t id = next_conn_++;
     conns_[id] = std::make_unique<Connection>(loop_, handler(), Connection::Role::server, fd, id,
@@ -166,7 +189,27 @@ void TcpTransport::accept_all() {
   }
 }
 
+Connection* TcpTransport::find_conn(std::uint64_t id) {
+  auto it = conns_.find(id);
+  return it == conns_.end() ? nullptr : it->second.get();
+}
+
+void TcpTransport::add_pending(std::uint64_t req, const Pending& p) {
+  pending_[req] = p;
+  if (Connection* c = find_conn(p.conn)) c->expect_answers(+1);
+}
+
+void TcpTransport::erase_pending(std::unordered_map<std::uint64_t, Pending>::iterator it) {
+  if (Connection* c = find_conn(it->second.conn)) c->expect_answers(-1);
+  pending_.erase(it);
+}
+
+void TcpTransport::erase_pending(std::uint64_t req) {
+  if (auto it = pending_.find(req); it != pending_.end()) erase_pending(it);
+}
+
 void TcpTransport::bury(Connection& conn) {
+  if (conn.role() == Connection::Role::server) --accepted_;
   auto it = conns_.find(conn.id());
   if (it == conns_.end()) return;
   // The connection may be on the stack below us; it is destroyed after this loop callback.
@@ -192,6 +235,7 @@ void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint6
   if (conn.role() == Connection::Role::server) {
     // The end of a WRITE: answer it now that its bytes are in memory (or were refused).
     if (intact && table_.find(h.op_id) != nullptr) {
+      serving_[h.op_id].bytes_written += h.len;
       reply_ok(conn, h.req_id);
       return;
     }
@@ -210,7 +254,7 @@ void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint6
   auto it = pending_.find(h.req_id);
   if (it == pending_.end()) return;  // its transfer was cancelled; the bytes were dropped
   Pending p = it->second;
-  pending_.erase(it);
+  erase_pending(it);
   auto tit = transfers_.find(p.transfer);
   if (!intact || tit == transfers_.end() || tit->second->finished) return;
   chunk_done(*tit->second, h.req_id, p.len);
@@ -230,10 +274,15 @@ void TcpTransport::on_closed(Connection& conn, const std::string& reason) {
   if (conn.role() == Connection::Role::client) {
     if (auto it = pool_.find(conn.peer_address()); it != pool_.end() && it->second == &conn)
       pool_.erase(it);
+    // A server that explained itself before closing (a protocol error: a configuration
+    // mismatch, say) has not been lost: retrying would fail the same way.
+    Error error = conn.notice().empty()
+                      ? Error(ErrorCode::PeerLost, "connection to peer " + who + " lost: " + reason)
+                      : Error(code_from_wire(conn.notice_code()),
+                              "peer " + who + " closed the connection: " + conn.notice());
     for (auto& [id, t] : transfers_) {
       if (t->conn != &conn) continue;
-      finish_transfer(*t,
-                      Error(ErrorCode::PeerLost, "connection to peer " + who + " lost: " + reason));
+      finish_transfer(*t, error);
       t->conn = nullptr;  // the connection is about to be destroyed
     }
   } else {
@@ -319,6 +368,19 @@ void TcpTransport::claim(ExposureTable::Entry& entry, Connection& conn) {
 void TcpTransport::finish_exposure(std::uint64_t id, std::optional<Error> peer_error) {
   ExposureTable::Entry* entry = table_.find(id);
   std::string peer = entry != nullptr ? entry->peer : std::string();
+  if (entry != nullptr && entry->bound_to != 0) {
+    // Requests of this peer still queued (a peer that ended with an error may have left
+    // some) must not read the memory once the operation is over.
+    if (Connection* conn = find_conn(entry->bound_to)) {
+      Error reason = peer_error ? *peer_error : Error(ErrorCode::Cancelled, "the operation ended");
+      conn->release(id, [&](FrameHeader& h, std::string& message) {
+        h.type = FrameType::status;
+        h.status = static_cast<std::uint32_t>(reason.code());
+        message = reason.message().substr(0, kMaxMessage);
+      });
+      conn->drop_sink(id);
+    }
+  }
   table_.remove(id);  // the token is dead from here on
   serving_.erase(id);
   defer_([this, life = std::weak_ptr<int>(life_), id, peer, peer_error] {
@@ -335,8 +397,8 @@ Connection::Sink TcpTransport::serve_frame(Connection& conn, const FrameHeader& 
                                            std::string message) {
   if (!conn.greeted()) {
     if (h.type != FrameType::hello) return fatal("expected HELLO as the first frame");
-    conn.set_greeted();
     conn.set_peer_name(message.substr(0, 256));
+    conn.set_greeted();
     if (h.op_id != 0) {
       char id[24];
       std::snprintf(id, sizeof id, "%016llx", static_cast<unsigned long long>(h.op_id));
@@ -345,7 +407,7 @@ Connection::Sink TcpTransport::serve_frame(Connection& conn, const FrameHeader& 
     FrameHeader reply;
     reply.type = FrameType::hello;
     reply.op_id = options_.local_id;
-    conn.send(reply, options_.local_name);
+    conn.send(reply, options_.local_name.substr(0, 256));
     return {};
   }
   switch (h.type) {
@@ -412,6 +474,19 @@ void TcpTransport::serve_done(Connection& conn, const FrameHeader& h, const std:
     return;
   }
   claim(*v.entry, conn);
+  if (h.status == 0 && access == Access::write) {
+    // A writable is complete only when every byte it exposes was written.
+    std::uint64_t exposed = 0;
+    for (const Region& r : v.entry->exposure.regions) exposed += r.size;
+    std::uint64_t written = serving_[h.op_id].bytes_written;
+    if (written < exposed) {
+      std::string why = "peer " + conn.describe_peer() + " said it was done after writing " +
+                        std::to_string(written) + " of " + std::to_string(exposed) + " bytes";
+      reply_status(conn, h.req_id, ErrorCode::ProtocolError, why);
+      finish_exposure(h.op_id, Error(ErrorCode::ProtocolError, why));
+      return;
+    }
+  }
   reply_ok(conn, h.req_id);
   if (h.status == 0) {
     auto& s = serving_[h.op_id];
@@ -482,7 +557,7 @@ Connection* TcpTransport::connect_to(const SocketAddress& address, const std::st
   FrameHeader hello;
   hello.type = FrameType::hello;
   hello.op_id = options_.local_id;  // HELLO carries the connector's id here
-  raw->send(hello, options_.local_name);
+  raw->send(hello, options_.local_name.substr(0, 256));
   if (!raw->open()) {
     error = "connection closed at once";
     return nullptr;
@@ -505,8 +580,8 @@ void TcpTransport::pump(TcpTransfer& t) {
     h.len = len;
     h.token = t.spec.token;
     std::byte* local = s.local + t.seg_off;
-    pending_[req] = Pending{t.id, writing ? PendingKind::write_chunk : PendingKind::read_chunk,
-                            local, len, t.conn->id()};
+    add_pending(req, Pending{t.id, writing ? PendingKind::write_chunk : PendingKind::read_chunk,
+                             local, len, t.conn->id()});
     t.reqs.insert(req);
     t.inflight += len;
     t.seg_off += len;
@@ -539,9 +614,11 @@ void TcpTransport::send_done(Connection& conn, const TcpTransfer& t, const Error
   }
   // Only a successful write waits for the answer; the rest are notices.
   bool awaited = error == nullptr && t.spec.access == Access::write;
-  pending_[req] = Pending{awaited ? t.id : 0, PendingKind::done, nullptr, 0, conn.id()};
+  add_pending(req, Pending{awaited ? t.id : 0, PendingKind::done, nullptr, 0, conn.id()});
   if (awaited) const_cast<TcpTransfer&>(t).reqs.insert(req);
-  conn.send(h, message);
+  // A write's DONE is tagged with the transfer: if the transfer is cancelled before it
+  // leaves, it is dropped with the chunks ahead of it, and never claims success.
+  conn.send(h, message, nullptr, awaited ? t.id : 0);
 }
 
 Connection::Sink TcpTransport::client_frame(Connection& conn, const FrameHeader& h,
@@ -574,19 +651,28 @@ Connection::Sink TcpTransport::client_frame(Connection& conn, const FrameHeader&
       return sink;
     }
     case FrameType::status: {
+      if (h.req_id == 0) {
+        // The server explains why it is about to close the connection.
+        conn.set_notice(h.status, message);
+        return {};
+      }
       auto it = pending_.find(h.req_id);
-      if (it == pending_.end()) return {};
+      // Answers count only from the connection the request went out on.
+      if (it == pending_.end() || it->second.conn != conn.id()) return {};
       Pending p = it->second;
-      pending_.erase(it);
+      erase_pending(it);
       auto tit = transfers_.find(p.transfer);
       if (tit == transfers_.end() || tit->second->finished) return {};
       TcpTransfer& t = *tit->second;
       t.reqs.erase(h.req_id);
       if (h.status != 0) {
         ErrorCode code = code_from_wire(h.status);
-        finish_transfer(
-            t, Error(code, "peer " + conn.describe_peer() + " refused: " +
-                               (message.empty() ? std::string(to_string(code)) : message)));
+        Error refused(code, "peer " + conn.describe_peer() + " refused: " +
+                                (message.empty() ? std::string(to_string(code)) : message));
+        finish_transfer(t, refused);
+        // The passive side learns that this peer gave up, instead of waiting for its deadline
+        // (it ignores the notice if the operation is another peer's, or over).
+        if (p.kind != PendingKind::done) send_done(conn, t, &refused);
         return {};
       }
       switch (p.kind) {
@@ -626,7 +712,7 @@ void TcpTransport::chunk_done(TcpTransfer& t, std::uint64_t req, std::uint64_t l
 void TcpTransport::finish_transfer(TcpTransfer& t, std::optional<Error> error) {
   if (t.finished) return;
   t.finished = true;
-  for (std::uint64_t req : t.reqs) pending_.erase(req);
+  for (std::uint64_t req : t.reqs) erase_pending(req);
   t.reqs.clear();
   if (t.conn != nullptr) {
     t.conn->release(t.id);

@@ -32,6 +32,7 @@ class TcpTransport final : public Transport, private Connection::Handler {
     std::uint64_t chunk_size = 2u << 20;
     std::uint64_t window = 16u << 20;
     std::uint64_t max_request = 16u << 20;
+    std::size_t max_connections = 4096;  ///< accepted ones; more are closed at once
     std::chrono::milliseconds peer_timeout{2000};
     std::string local_name;      ///< sent in HELLO, shown in peers' errors
     std::uint64_t local_id = 0;  ///< the connector's id, sent in HELLO
@@ -67,6 +68,7 @@ class TcpTransport final : public Transport, private Connection::Handler {
   struct Serving {
     std::uint64_t frames_queued = 0;  ///< DATA frames not yet fully written
     bool done_pending = false;        ///< the peer said done; finish once frames_queued is 0
+    std::uint64_t bytes_written = 0;  ///< WRITE payload bytes that landed (writables)
   };
 
   // Connection::Handler
@@ -97,6 +99,12 @@ class TcpTransport final : public Transport, private Connection::Handler {
   void forget_transfer(TcpTransfer& t);
   void send_done(Connection& conn, const TcpTransfer& t, const Error* error);
 
+  // Requests awaiting an answer; the connection's watchdog counts them.
+  void add_pending(std::uint64_t req, const Pending& p);
+  void erase_pending(std::unordered_map<std::uint64_t, Pending>::iterator it);
+  void erase_pending(std::uint64_t req);
+  Connection* find_conn(std::uint64_t id);
+
   // Listener.
   static void on_listen(uv_poll_t* handle, int status, int events);
   void accept_all();
@@ -111,6 +119,8 @@ class TcpTransport final : public Transport, private Connection::Handler {
 
   int listen_fd_ = -1;
   uv_poll_t* listen_poll_ = nullptr;
+  uv_timer_t* listen_retry_ = nullptr;  ///< resumes accepting after running out of fds
+  std::size_t accepted_ = 0;            ///< server connections open
 
   std::uint64_t next_conn_ = 1;
   std::uint64_t next_req_ = 1;

@@ -76,11 +76,12 @@ struct NatsOptions {
 
 /// A Connector's settings.
 struct ConnectorOptions {
-  /// Shown in peers' errors and in metadata; empty: "ferry-<pid>".
+  /// Shown in peers' errors and in metadata (at most 256 characters); empty: "ferry-<pid>".
   std::string name;
   /// Embedded mode: run on this caller-owned libuv loop instead of a thread of its own.
-  /// Construct and destroy the connector on the thread that runs this loop (or while it is
-  /// not running), and keep running the loop while operations are under way.
+  /// Construct and destroy the connector on the thread that runs this loop (ferry takes the
+  /// constructing thread to be the loop's), and keep running the loop while operations are
+  /// under way.
   uv_loop_s* loop = nullptr;
   /// Deadline for operations that set none; zero: no deadline.
   std::chrono::milliseconds default_timeout{0};

@@ -21,7 +21,9 @@ class OperationState;
 /// Called once when an operation reaches a final status, on the connector's loop thread.
 /// `error` is null for `complete` and points at the reason for `cancelled` and `errored`;
 /// it is valid during the call only. The callback must not block: it runs on the loop that
-/// moves every transfer of its connector.
+/// moves every transfer of its connector. It may start, cancel or destroy operations of the
+/// same connector (those calls run inline); a call into another connector waits for that
+/// connector's loop, so two connectors doing so to each other from callbacks deadlock.
 using CompletionCallback = std::function<void(OperationStatus status, const Error* error)>;
 
 /// Per-operation settings.

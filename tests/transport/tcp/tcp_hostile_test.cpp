@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include <ferry/ferry.hpp>
 
 #include "tests/support/patterns.hpp"
+#include "tests/support/raw_peer.hpp"
 #include "tests/support/util.hpp"
 #include "transport/exposure_table.hpp"
 #include "transport/tcp/frame.hpp"
@@ -30,272 +32,14 @@
 namespace ferry {
 namespace {
 
-using test::buffer;
-using test::first_mismatch;
-using test::patterned;
+using namespace test;
 using transport::Token;
 using transport::tcp::FrameHeader;
 using transport::tcp::FrameType;
 
 constexpr auto kWait = std::chrono::seconds(30);
-constexpr int kSocketTimeoutSeconds = 5;
 constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
 constexpr std::uint64_t kDefaultMaxRequest = 16u << 20;
-constexpr std::size_t kLargestPayloadAccepted = 64u << 20;
-
-constexpr std::uint32_t wire(ErrorCode code) { return static_cast<std::uint32_t>(code); }
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
-
-/// What a raw client needs from a passive operation's metadata.
-struct Target {
-  std::string address;  ///< "127.0.0.1:port"
-  std::uint64_t op_id = 0;
-  Token token{};
-  std::uint64_t base = 0;  ///< the first descriptor's address in the owner's memory
-  std::uint64_t size = 0;
-};
-
-Target target_of(const RdmaMetadata& m) {
-  Target t;
-  EXPECT_FALSE(m.endpoints.empty());
-  EXPECT_FALSE(m.descriptors.empty());
-  if (m.endpoints.empty() || m.descriptors.empty()) return t;
-  EXPECT_EQ(m.endpoints[0].method, "tcp");
-  t.address = m.endpoints[0].address;
-  EXPECT_EQ(m.notification_key.size(), 16u);
-  t.op_id = std::stoull(m.notification_key, nullptr, 16);
-  EXPECT_TRUE(transport::token_from_hex(m.token, t.token)) << m.token;
-  t.base = m.descriptors[0].ptr;
-  t.size = m.descriptors[0].size;
-  return t;
-}
-
-Token flipped(Token token) {
-  token[0] = static_cast<std::uint8_t>(token[0] ^ 0x80);
-  return token;
-}
-
-struct Frame {
-  FrameHeader header;
-  std::string message;
-  std::vector<std::byte> payload;
-};
-
-/// A blocking TCP client that speaks the frame protocol by hand. Every call is bounded by
-/// the socket's send and receive timeouts, so a silent server fails the test, not hangs it.
-class RawClient {
- public:
-  explicit RawClient(const std::string& address) {
-    const auto colon = address.rfind(':');
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    if (colon == std::string::npos ||
-        inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr) != 1) {
-      error_ = "not an IPv4 ip:port: '" + address + "'";
-      return;
-    }
-    if (sa.sin_addr.s_addr != htonl(INADDR_LOOPBACK)) {
-      error_ = "tests talk to 127.0.0.1 only, not " + address;
-      return;
-    }
-    sa.sin_port = htons(static_cast<std::uint16_t>(std::stoul(address.substr(colon + 1))));
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd_ < 0) {
-      error_ = std::string("socket: ") + std::strerror(errno);
-      return;
-    }
-    timeval tv{};
-    tv.tv_sec = kSocketTimeoutSeconds;
-    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    if (::connect(fd_, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) != 0) {
-      error_ = "connect to " + address + ": " + std::strerror(errno);
-      close();
-    }
-  }
-  ~RawClient() { close(); }
-  RawClient(const RawClient&) = delete;
-  RawClient& operator=(const RawClient&) = delete;
-
-  bool connected() const noexcept { return fd_ >= 0; }
-  const std::string& error() const noexcept { return error_; }
-
-  bool send_bytes(const void* data, std::size_t size) {
-    const auto* p = static_cast<const char*>(data);
-    while (size > 0) {
-      ssize_t n = ::send(fd_, p, size, MSG_NOSIGNAL);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        error_ = std::string("send: ") + std::strerror(errno);
-        return false;
-      }
-      p += n;
-      size -= static_cast<std::size_t>(n);
-    }
-    return true;
-  }
-
-  /// Sends `h` with msg_len set to the message's size, then exactly `payload` (which may be
-  /// shorter than h.len, to play a client that stops midway).
-  bool send_frame(FrameHeader h, std::string_view message = {},
-                  const std::vector<std::byte>& payload = {}) {
-    h.msg_len = static_cast<std::uint32_t>(message.size());
-    const auto bytes = transport::tcp::encode(h);
-    return send_bytes(bytes.data(), bytes.size()) && send_bytes(message.data(), message.size()) &&
-           send_bytes(payload.data(), payload.size());
-  }
-
-  /// The next frame, or nothing on end of stream, reset, timeout or an implausible header
-  /// (error() says which).
-  std::optional<Frame> read_frame() {
-    transport::tcp::HeaderBytes bytes{};
-    if (!read_exact(bytes.data(), bytes.size())) return std::nullopt;
-    Frame f;
-    f.header = transport::tcp::decode(bytes.data());
-    if (auto what = transport::tcp::malformed(f.header); !what.empty()) {
-      error_ = "the server sent a malformed header: " + what;
-      return std::nullopt;
-    }
-    f.message.resize(f.header.msg_len);
-    if (!read_exact(f.message.data(), f.message.size())) return std::nullopt;
-    if (transport::tcp::has_payload(f.header.type)) {
-      if (f.header.len > kLargestPayloadAccepted) {
-        error_ = "the server announced " + std::to_string(f.header.len) + " bytes of payload";
-        return std::nullopt;
-      }
-      f.payload.resize(f.header.len);
-      if (!read_exact(f.payload.data(), f.payload.size())) return std::nullopt;
-    }
-    return f;
-  }
-
-  /// Sends HELLO with `name` and reads the server's HELLO; true if it came.
-  bool greet(const std::string& name) {
-    FrameHeader h;
-    h.type = FrameType::hello;
-    if (!send_frame(h, name)) return false;
-    auto reply = read_frame();
-    if (!reply) return false;
-    if (reply->header.type != FrameType::hello) {
-      error_ = "the server answered HELLO with frame type " +
-               std::to_string(static_cast<int>(reply->header.type)) + ": " + reply->message;
-      return false;
-    }
-    server_name_ = reply->message;
-    return true;
-  }
-  const std::string& server_name() const noexcept { return server_name_; }
-
-  /// Whether the server closes the connection (end of stream or reset) without sending
-  /// anything more, within the receive timeout.
-  bool closed_by_peer() {
-    char c;
-    for (;;) {
-      ssize_t n = ::recv(fd_, &c, 1, 0);
-      if (n == 0) return true;
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        error_ = std::string("recv: ") + std::strerror(errno);
-        return errno == ECONNRESET;
-      }
-      error_ = "the server sent more bytes instead of closing";
-      return false;
-    }
-  }
-
-  void close() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  bool read_exact(void* dst, std::size_t size) {
-    auto* p = static_cast<char*>(dst);
-    while (size > 0) {
-      ssize_t n = ::recv(fd_, p, size, 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n == 0) {
-        error_ = "the server closed the connection";
-        return false;
-      }
-      if (n < 0) {
-        error_ = errno == EAGAIN || errno == EWOULDBLOCK
-                     ? "no answer within " + std::to_string(kSocketTimeoutSeconds) + " s"
-                     : std::string("recv: ") + std::strerror(errno);
-        return false;
-      }
-      p += n;
-      size -= static_cast<std::size_t>(n);
-    }
-    return true;
-  }
-
-  int fd_ = -1;
-  std::string error_;
-  std::string server_name_;
-};
-
-FrameHeader request(FrameType type, const Target& t, std::uint64_t req_id, std::uint64_t addr,
-                    std::uint64_t len) {
-  FrameHeader h;
-  h.type = type;
-  h.req_id = req_id;
-  h.op_id = t.op_id;
-  h.addr = addr;
-  h.len = len;
-  h.token = t.token;
-  return h;
-}
-
-FrameHeader done_frame(const Target& t, std::uint64_t req_id, transport::Access access,
-                       std::uint32_t status) {
-  FrameHeader h = request(FrameType::done, t, req_id, 0, 0);
-  h.flags = static_cast<std::uint16_t>(access);
-  h.status = status;
-  return h;
-}
-
-/// Whether `f` is a STATUS frame for `req_id` with `code` and a message containing `point`.
-::testing::AssertionResult is_status(const std::optional<Frame>& f, std::uint64_t req_id,
-                                     ErrorCode code, const std::string& point) {
-  if (!f) return ::testing::AssertionFailure() << "no frame arrived";
-  const FrameHeader& h = f->header;
-  if (h.type != FrameType::status || h.req_id != req_id || h.status != wire(code) ||
-      !contains(f->message, point))
-    return ::testing::AssertionFailure()
-           << "got type " << static_cast<int>(h.type) << " req " << h.req_id << " status "
-           << h.status << " '" << f->message << "'; wanted STATUS req " << req_id << " status "
-           << wire(code) << " (" << to_string(code) << ") with '" << point << "'";
-  return ::testing::AssertionSuccess();
-}
-
-/// Whether `f` is a DATA frame for `req_id` carrying `len` bytes of pattern `seed` from
-/// `offset` on.
-::testing::AssertionResult is_data(const std::optional<Frame>& f, std::uint64_t req_id,
-                                   std::size_t len, std::uint64_t seed, std::uint64_t offset) {
-  if (!f) return ::testing::AssertionFailure() << "no frame arrived";
-  if (f->header.type != FrameType::data || f->header.req_id != req_id || f->payload.size() != len)
-    return ::testing::AssertionFailure()
-           << "got type " << static_cast<int>(f->header.type) << " req " << f->header.req_id
-           << " with " << f->payload.size() << " bytes '" << f->message << "'";
-  if (auto at = first_mismatch(f->payload.data(), len, seed, offset); at != -1)
-    return ::testing::AssertionFailure() << "DATA differs from the source at byte " << at;
-  return ::testing::AssertionSuccess();
-}
-
-/// Whether `f` is a STATUS frame reporting success for `req_id`.
-::testing::AssertionResult is_ok(const std::optional<Frame>& f, std::uint64_t req_id) {
-  if (!f) return ::testing::AssertionFailure() << "no frame arrived";
-  const FrameHeader& h = f->header;
-  if (h.type != FrameType::status || h.req_id != req_id || h.status != 0)
-    return ::testing::AssertionFailure()
-           << "got type " << static_cast<int>(h.type) << " req " << h.req_id << " status "
-           << h.status << " '" << f->message << "'; wanted a successful STATUS for " << req_id;
-  return ::testing::AssertionSuccess();
-}
 
 /// Connects and exchanges HELLO as `name`.
 ::testing::AssertionResult greeted(RawClient& client, const std::string& name = "raw-client") {
@@ -883,6 +627,78 @@ TEST_F(TcpHostileTest, ProtocolErrorOnOneConnectionLeavesOthersAlone) {
   EXPECT_TRUE(is_ok(good.read_frame(), 3)) << good.error();
   EXPECT_TRUE(readable.wait_for_completion(kWait)) << describe(readable);
   EXPECT_TRUE(memory_unchanged());
+}
+
+// ---------------------------------------------------------------------------------------
+// Ending early, and clients that do not read
+
+TEST(TcpHostileEnd, ReadsQueuedBeforeAFailingDoneNeverTouchTheMemoryAfter) {
+  // A claimant queues 16 MiB of reads, then says it failed, and reads nothing yet. When the
+  // owner sees its readable end, the memory is the owner's again: whatever the client reads
+  // later must not come from it.
+  Connector owner(test::named("owner"));
+  constexpr std::size_t kBig = 16u << 20;
+  std::vector<std::byte> memory(kBig, std::byte{0x11});
+  auto readable = owner.create_readable({Descriptor(memory.data(), kBig)});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  for (std::uint64_t i = 0; i < 8; ++i)
+    ASSERT_TRUE(
+        client.send_frame(request(FrameType::read, t, i + 1, t.base + i * (2u << 20), 2u << 20)));
+  ASSERT_TRUE(client.send_frame(
+      done_frame(t, 9, transport::Access::read, wire(ErrorCode::Cancelled)), "gave up"));
+  auto e = wait_for_failure(readable);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code(), ErrorCode::Cancelled);
+  std::fill(memory.begin(), memory.end(), std::byte{0xee});
+  std::size_t reused = 0;
+  std::size_t answers = 0;
+  while (answers < 9) {
+    auto f = client.read_frame();
+    ASSERT_TRUE(f) << client.error();
+    ++answers;
+    for (std::byte b : f->payload) reused += b == std::byte{0xee};
+  }
+  EXPECT_EQ(reused, 0u) << "bytes sent from memory the owner had got back";
+}
+
+TEST_F(TcpHostileTest, DoneBeforeEveryByteWasWrittenDoesNotCompleteTheWritable) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  std::vector<std::byte> half(kSize / 2, std::byte{0x42});
+  ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, half.size()), {}, half));
+  EXPECT_TRUE(is_ok(client.read_frame(), 1));
+  ASSERT_TRUE(client.send_frame(done_frame(t, 2, transport::Access::write, 0)));
+  EXPECT_TRUE(is_status(client.read_frame(), 2, ErrorCode::ProtocolError,
+                        "said it was done after writing 32768 of 65536 bytes"));
+  auto e = wait_for_failure(writable);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code(), ErrorCode::ProtocolError);
+}
+
+TEST_F(TcpHostileTest, AClientThatNeverReadsCannotGrowTheServerWithoutBound) {
+  // Refused requests are answered; a client that never reads the answers gets no more of
+  // its requests read once the server's queue is full.
+  auto readable = owner_.create_readable({Descriptor(memory_.data(), kSize)});
+  Target t = target_of(readable.metadata());
+  t.token = flipped(t.token);
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  timeval tv{};
+  tv.tv_usec = 500000;  // a stalled send gives up after half a second
+  setsockopt(client.fd(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  constexpr std::uint64_t kFrames = 1u << 20;  // 64 MiB of requests
+  std::uint64_t sent = 0;
+  std::vector<std::byte> batch;
+  for (int i = 0; i < 1024; ++i) {
+    auto bytes = transport::tcp::encode(request(FrameType::read, t, 1, t.base, 64));
+    batch.insert(batch.end(), bytes.begin(), bytes.end());
+  }
+  while (sent < kFrames && client.send_bytes(batch.data(), batch.size())) sent += 1024;
+  EXPECT_LT(sent, kFrames) << "the server read every request although nobody read its answers";
 }
 
 }  // namespace

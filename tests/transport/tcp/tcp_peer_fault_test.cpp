@@ -1,0 +1,207 @@
+// Broken, silent and lying servers seen from a Connector's active side (the client role):
+// fake servers speak ferry's frames by hand on loopback.
+#include <gtest/gtest.h>
+
+#include <uv.h>
+
+#include <chrono>
+#include <future>
+#include <thread>
+
+#include <ferry/ferry.hpp>
+
+#include "tests/support/patterns.hpp"
+#include "tests/support/raw_peer.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using namespace test;
+
+// Metadata for a passive operation "owned" by a fake server at `address`.
+RdmaMetadata fake(OperationKind kind, const std::string& address, const std::string& owner) {
+  RdmaMetadata m;
+  m.operation_kind = kind;
+  m.notification_key = "0000000000000001";
+  m.owner = {owner, "00000000000000aa", "fake-host", 1};
+  m.endpoints = {{"tcp", address}};
+  m.descriptors = {{0x10000, 4096, Device::host()}};
+  m.token = std::string(32, 'a');
+  return m;
+}
+
+ErrorCode ended_with(const Operation& op, std::chrono::seconds limit = 10s) {
+  try {
+    if (!op.wait_for_completion(limit)) {
+      ADD_FAILURE() << "did not end in time";
+      return ErrorCode::Internal;
+    }
+    ADD_FAILURE() << "completed";
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return ErrorCode::Internal;
+}
+
+ConnectorOptions quick(std::string name) {
+  ConnectorOptions o = named(std::move(name));
+  o.peer_timeout = 300ms;
+  return o;
+}
+
+TEST(PeerFaults, AnswersForgedByAnotherPeerAreIgnored) {
+  RawListener a;  // never answers
+  RawListener b;  // answers requests it never got
+  std::thread silent([&] {
+    int fd = a.accept();
+    RawClient peer(RawClient::Adopt{}, fd);
+    while (peer.read_frame()) {
+    }
+  });
+  std::thread forger([&] {
+    int fd = b.accept();
+    RawClient peer(RawClient::Adopt{}, fd);
+    (void)peer.read_frame();  // HELLO
+    FrameHeader hello;
+    hello.type = FrameType::hello;
+    peer.send_frame(hello, "B");
+    for (std::uint64_t req = 1; req <= 4; ++req) {
+      FrameHeader status;
+      status.type = FrameType::status;
+      status.req_id = req;
+      peer.send_frame(status);
+    }
+    while (peer.read_frame()) {
+    }
+  });
+  {
+    Connector client(quick("client"));
+    std::vector<char> src(4096, 7), dst(4096);
+    auto write = client.begin_write({Descriptor(src.data(), 4096)},
+                                    fake(OperationKind::write, a.address(), "A"));
+    auto read = client.begin_read(fake(OperationKind::read, b.address(), "B"),
+                                  {Descriptor(dst.data(), 4096)});
+    // A never answers: its write must not be completed by B's forged answers.
+    EXPECT_EQ(ended_with(write), ErrorCode::PeerLost);
+    EXPECT_NE(write.error()->message().find("'A'"), std::string::npos) << write.error()->message();
+  }
+  silent.join();
+  forger.join();
+}
+
+TEST(PeerFaults, ServerSilentAfterHelloFailsWithinPeerTimeout) {
+  RawListener server;
+  std::promise<void> release;
+  std::thread fake_server([&] {
+    int fd = server.accept();
+    RawClient peer(RawClient::Adopt{}, fd);
+    (void)peer.read_frame();
+    FrameHeader hello;
+    hello.type = FrameType::hello;
+    peer.send_frame(hello, "mute");
+    release.get_future().wait();  // keeps the connection open, answers nothing
+  });
+  {
+    Connector client(quick("client"));
+    std::vector<char> dst(4096);
+    auto start = std::chrono::steady_clock::now();
+    auto read = client.begin_read(fake(OperationKind::read, server.address(), "mute"),
+                                  {Descriptor(dst.data(), 4096)});
+    EXPECT_EQ(ended_with(read), ErrorCode::PeerLost);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+    EXPECT_NE(read.error()->message().find("has not answered for 300 ms"), std::string::npos)
+        << read.error()->message();
+  }
+  release.set_value();
+  fake_server.join();
+}
+
+TEST(PeerFaults, ServerThatNeverSendsHelloFails) {
+  RawListener server;
+  std::promise<void> release;
+  std::thread fake_server([&] {
+    int fd = server.accept();
+    release.get_future().wait();
+    ::close(fd);
+  });
+  {
+    Connector client(quick("client"));
+    std::vector<char> dst(4096);
+    auto read = client.begin_read(fake(OperationKind::read, server.address(), "wrong-service"),
+                                  {Descriptor(dst.data(), 4096)});
+    EXPECT_EQ(ended_with(read), ErrorCode::PeerLost);
+    EXPECT_NE(read.error()->message().find("no HELLO"), std::string::npos)
+        << read.error()->message();
+  }
+  release.set_value();
+  fake_server.join();
+}
+
+TEST(PeerFaults, WritingToAResetPeerDoesNotKillTheProcess) {
+  // Embedded, so that this thread decides when the loop notices what the peer did.
+  RawListener server;
+  uv_loop_t loop;
+  ASSERT_EQ(uv_loop_init(&loop), 0);
+  {
+    ConnectorOptions o = named("client");
+    o.loop = &loop;
+    Connector client(o);
+    std::vector<char> dst(4096);
+    auto first = client.begin_read(fake(OperationKind::read, server.address(), "quitter"),
+                                   {Descriptor(dst.data(), 4096)});
+    for (int i = 0; i < 20; ++i) uv_run(&loop, UV_RUN_NOWAIT);
+    int fd = server.accept();
+    ASSERT_GE(fd, 0);
+    char junk[4096];
+    std::this_thread::sleep_for(50ms);
+    (void)!::read(fd, junk, sizeof junk);  // HELLO and READ
+    ::close(fd);                           // the peer goes away: FIN, then RST for what follows
+    std::this_thread::sleep_for(50ms);
+    first.cancel();  // writes DONE to the closed peer, which answers with a reset
+    std::this_thread::sleep_for(50ms);
+    // Writes on the same (pooled, now reset) connection: EPIPE, not SIGPIPE.
+    auto second = client.begin_read(fake(OperationKind::read, server.address(), "quitter"),
+                                    {Descriptor(dst.data(), 4096)});
+    for (int i = 0; i < 100 && !is_final(second.status()); ++i) uv_run(&loop, UV_RUN_NOWAIT);
+    EXPECT_EQ(second.status(), OperationStatus::errored);
+  }
+  uv_run(&loop, UV_RUN_DEFAULT);
+  EXPECT_EQ(uv_loop_close(&loop), 0);
+}
+
+TEST(PeerFaults, AChunkLargerThanTheOwnerServesIsRefusedAndTheOwnerIsTold) {
+  Connector owner(named("owner"));  // max_request: 16 MiB
+  ConnectorOptions greedy = named("greedy");
+  greedy.tcp.chunk_size = 32u << 20;
+  greedy.tcp.window = 32u << 20;
+  Connector reader(greedy);
+  auto src = patterned(32u << 20, 61);
+  auto dst = buffer(32u << 20);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  auto read = reader.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  EXPECT_EQ(ended_with(read), ErrorCode::AccessDenied);
+  // The reader gives up and says so: the owner does not wait for its deadline.
+  EXPECT_EQ(ended_with(readable, 3s), ErrorCode::AccessDenied);
+  EXPECT_NE(readable.error()->message().find("requests take 1 to"), std::string::npos);
+}
+
+TEST(PeerFaults, AWriteLargerThanTheOwnerServesIsAProtocolErrorNotALostPeer) {
+  Connector owner(named("owner"));
+  ConnectorOptions greedy = named("greedy");
+  greedy.tcp.chunk_size = 32u << 20;
+  greedy.tcp.window = 32u << 20;
+  Connector writer(greedy);
+  auto src = patterned(32u << 20, 62);
+  auto dst = buffer(32u << 20);
+  auto writable = owner.create_writable({Descriptor(dst.data(), dst.size())});
+  auto write = writer.begin_write({Descriptor(src.data(), src.size())}, writable.metadata());
+  EXPECT_EQ(ended_with(write), ErrorCode::ProtocolError);
+  EXPECT_FALSE(write.error()->retryable());
+  EXPECT_NE(write.error()->message().find("exceeds the limit"), std::string::npos)
+      << write.error()->message();
+}
+
+}  // namespace
+}  // namespace ferry
