@@ -160,6 +160,9 @@ TEST(ConnectorOptions, BadOptionsAreRefused) {
   o.tcp.bind_address = "0.0.0.0";
   expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "needs tcp.advertise_address");
   o = ConnectorOptions{};
+  o.name = std::string(257, 'n');
+  expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "longer than 256");
+  o = ConnectorOptions{};
   o.peer_timeout = std::chrono::milliseconds(0);
   expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "peer_timeout");
   o = ConnectorOptions{};

@@ -244,5 +244,50 @@ TEST(Shutdown, ClosingTheOwnerMidTransferErrorsThePeerNamingIt) {
       << read.error()->message();
 }
 
+// A writable may end complete after its writer was cancelled (the last bytes may have landed
+// first), but only with every byte in place: never complete with bytes missing.
+void expect_complete_means_all_bytes(const WritableOperation& writable,
+                                     const std::vector<std::byte>& dst, std::uint64_t seed) {
+  try {
+    if (!writable.wait_for_completion(30s)) {
+      ADD_FAILURE() << "the writable did not end";
+      return;
+    }
+    EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), seed), -1)
+        << "complete with bytes missing";
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.code() == ErrorCode::Cancelled || e.code() == ErrorCode::Timeout) << e.what();
+  }
+}
+
+TEST(Cancel, AWriteCancelledRightAfterItBeganNeverCompletesTheWritableHalfWritten) {
+  Connector owner(test::named("owner"));
+  Connector writer(test::named("writer"));
+  constexpr std::size_t kSize = 16u << 20;
+  auto src = test::patterned(kSize, 71);
+  for (int round = 0; round < 5; ++round) {
+    auto dst = test::buffer(kSize);
+    auto writable = owner.create_writable({Descriptor(dst.data(), kSize)});
+    auto write = writer.begin_write({Descriptor(src.data(), kSize)}, writable.metadata());
+    write.cancel();
+    expect_complete_means_all_bytes(writable, dst, 71);
+  }
+}
+
+TEST(Deadline, AWriteThatTimesOutNeverCompletesTheWritableHalfWritten) {
+  Connector owner(test::named("owner"));
+  ConnectorOptions wide = test::named("writer");
+  wide.tcp.window = 128u << 20;  // everything queued at once, DONE right behind it
+  Connector writer(wide);
+  constexpr std::size_t kSize = 128u << 20;
+  auto src = test::patterned(kSize, 72);
+  auto dst = test::buffer(kSize);
+  auto writable = owner.create_writable({Descriptor(dst.data(), kSize)});
+  OperationOptions o;
+  o.timeout = 20ms;
+  auto write = writer.begin_write({Descriptor(src.data(), kSize)}, writable.metadata(), o);
+  expect_complete_means_all_bytes(writable, dst, 72);
+}
+
 }  // namespace
 }  // namespace ferry

@@ -188,5 +188,31 @@ TEST(Embedded, ConnectorOnACallerOwnedLoopCompletesTransfers) {
   EXPECT_EQ(uv_loop_close(&loop), 0);
 }
 
+TEST(Threading, HandlesThatOutliveTheirConnectorStillAnswer) {
+  auto src = test::patterned(64, 1);
+  ReadableOperation readable;
+  {
+    Connector owner(test::named("owner"));
+    readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  }
+  EXPECT_EQ(readable.status(), OperationStatus::cancelled);
+  // The loop thread is gone; its id may be reused by a new thread, which must not be
+  // mistaken for it.
+  std::thread([&] {
+    try {
+      readable.wait_for_completion();
+      ADD_FAILURE() << "a cancelled operation completed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Cancelled) << e.what();
+    }
+  }).join();
+  // With no loop left, the callback runs at once, on the calling thread.
+  bool ran = false;
+  readable.on_complete([&](OperationStatus s, const Error* e) {
+    ran = s == OperationStatus::cancelled && e != nullptr;
+  });
+  EXPECT_TRUE(ran);
+}
+
 }  // namespace
 }  // namespace ferry
