@@ -39,9 +39,12 @@ namespace {
 
 std::string status_text(natsStatus s) {
   std::string text = natsStatus_GetText(s);
-  // cnats keeps a more precise message (e.g. the server's -ERR) per thread.
+  // cnats keeps a more precise message (e.g. the server's -ERR) per thread, behind a
+  // "(file.c:line): " location that is no business of ours.
   if (const char* last = nats_GetLastError(nullptr); last != nullptr && *last != '\0') {
-    if (text != last) text += ": " + std::string(last);
+    std::string detail = last;
+    if (auto at = detail.rfind("): "); at != std::string::npos) detail.erase(0, at + 3);
+    if (!detail.empty() && detail != text) text += ": " + detail;
   }
   return text;
 }
