@@ -1,0 +1,568 @@
+// ferry-disagg: disaggregated prefill/decode as a NATS-orchestrated system.
+//
+//   client --NATS request "disagg.generate"--> decode worker (queue group "decode")
+//     decode: allocates KV blocks from its pool, exposes them as one WritableOperation served
+//             at "disagg.kv.<decode>.<request>", asks a prefill worker to fill them
+//   decode --NATS request "disagg.prefill"--> prefill worker (queue group "prefill")
+//     prefill: computes the KV cache of the prompt (layers x blocks x tokens) and writes it
+//              into the decode worker's blocks with begin_write(..., Subject(...))
+//   decode: verifies every byte, frees the blocks, answers the client
+//
+// Roles (each a process):
+//   ferry-disagg decode  [--name N] [--blocks B] [--layers L] [--tokens-per-block T]
+//                        [--bytes-per-token X] [--threads W]
+//   ferry-disagg prefill [--name N] [--threads W]
+//   ferry-disagg client  [--requests R] [--concurrency C] [--min-tokens A] [--max-tokens B]
+//   ferry-disagg all     [--prefill P] [--requests R] [--concurrency C] ...
+//     runs a private nats-server (unless FERRY_NATS_URL is set), 1 decode and P prefill
+//     workers as child processes, then the client; stops everything it started, also on
+//     Ctrl-C or failure. Exit status 0 only when every request was verified.
+//
+// NATS: FERRY_NATS_URL (default nats://127.0.0.1:4222), used by ferry and by this program.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nats/nats.h>
+#include <ferry/ferry.hpp>
+#include <nlohmann/json.hpp>
+
+#include "samples/disagg/kv.hpp"
+#include "samples/disagg/process.hpp"
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr const char* kGenerate = "disagg.generate";
+constexpr const char* kPrefill = "disagg.prefill";
+
+std::atomic<bool> g_stop{false};
+
+void on_signal(int) { g_stop = true; }
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+// --key value options.
+struct Args {
+  std::map<std::string, std::string> values;
+  Args(int argc, char** argv, int from) {
+    for (int i = from; i + 1 < argc; i += 2) values[argv[i]] = argv[i + 1];
+  }
+  std::string str(const std::string& key, std::string fallback) const {
+    auto it = values.find(key);
+    return it == values.end() ? fallback : it->second;
+  }
+  std::uint32_t num(const std::string& key, std::uint32_t fallback) const {
+    auto it = values.find(key);
+    return it == values.end() ? fallback : static_cast<std::uint32_t>(std::stoul(it->second));
+  }
+};
+
+std::string nats_url() {
+  const char* url = std::getenv("FERRY_NATS_URL");
+  return url != nullptr && *url != '\0' ? url : "nats://127.0.0.1:4222";
+}
+
+// The program's own NATS connection (ferry's connector has another). Its callbacks run on
+// cnats' threads: this is application code, free to block there.
+struct Nats {
+  natsConnection* nc = nullptr;
+  explicit Nats(const std::string& name) {
+    natsOptions* opts = nullptr;
+    natsOptions_Create(&opts);
+    natsOptions_SetURL(opts, nats_url().c_str());
+    natsOptions_SetName(opts, name.c_str());
+    natsOptions_SetSendAsap(opts, true);
+    natsOptions_SetMaxReconnect(opts, -1);
+    natsStatus s = natsConnection_Connect(&nc, opts);
+    natsOptions_Destroy(opts);
+    if (s != NATS_OK)
+      throw std::runtime_error("cannot connect to NATS at " + nats_url() + ": " +
+                               natsStatus_GetText(s));
+  }
+  ~Nats() {
+    natsConnection_Close(nc);
+    natsConnection_Destroy(nc);
+  }
+  // A blocking request; nullopt on timeout or when nobody answers.
+  std::optional<std::string> request(const char* subject, const std::string& data,
+                                     std::chrono::milliseconds timeout) {
+    natsMsg* reply = nullptr;
+    natsStatus s = natsConnection_Request(&reply, nc, subject, data.data(),
+                                          static_cast<int>(data.size()), timeout.count());
+    if (s != NATS_OK) return std::nullopt;
+    std::string out(natsMsg_GetData(reply), static_cast<std::size_t>(natsMsg_GetDataLength(reply)));
+    natsMsg_Destroy(reply);
+    return out;
+  }
+  void reply(natsMsg* msg, const std::string& data) {
+    natsConnection_Publish(nc, natsMsg_GetReply(msg), data.data(), static_cast<int>(data.size()));
+  }
+};
+
+// A fixed pool of threads draining a queue: requests are handled concurrently, off cnats'
+// delivery thread.
+class Workers {
+ public:
+  explicit Workers(unsigned n) {
+    for (unsigned i = 0; i < n; ++i)
+      threads_.emplace_back([this] {
+        for (;;) {
+          std::function<void()> job;
+          {
+            std::unique_lock lock(mu_);
+            cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+            if (jobs_.empty()) return;
+            job = std::move(jobs_.front());
+            jobs_.pop_front();
+          }
+          job();
+        }
+      });
+  }
+  ~Workers() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void push(std::function<void()> job) {
+    {
+      std::lock_guard lock(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// Subscribes `handler` to `subject` in `queue`; messages are handed to `workers`.
+natsSubscription* serve(Nats& nats, const char* subject, const char* queue, Workers& workers,
+                        std::function<void(natsMsg*)> handler) {
+  struct Ctx {
+    Workers* workers;
+    std::function<void(natsMsg*)> handler;
+  };
+  auto* ctx = new Ctx{&workers, std::move(handler)};
+  natsSubscription* sub = nullptr;
+  natsStatus s = natsConnection_QueueSubscribe(
+      &sub, nats.nc, subject, queue,
+      [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+        auto* c = static_cast<Ctx*>(closure);
+        c->workers->push([c, msg] {
+          c->handler(msg);
+          natsMsg_Destroy(msg);
+        });
+      },
+      ctx);
+  if (s != NATS_OK) throw std::runtime_error(std::string("subscribe: ") + natsStatus_GetText(s));
+  natsSubscription_SetOnCompleteCB(
+      sub, [](void* closure) { delete static_cast<Ctx*>(closure); }, ctx);
+  return sub;
+}
+
+ferry::ConnectorOptions connector_options(const std::string& name) {
+  ferry::ConnectorOptions o;
+  o.name = name;
+  o.default_timeout = 30s;  // nothing waits forever
+  return o;                 // the side channel comes from FERRY_NATS_URL
+}
+
+// Says "ready" on stdout once serving, for the supervisor, then waits for a stop signal.
+void ready_and_wait(const std::string& name) {
+  std::printf("ready %s\n", name.c_str());
+  std::fflush(stdout);
+  while (!g_stop) std::this_thread::sleep_for(50ms);
+}
+
+// ---------------------------------------------------------------------------------------
+// decode
+
+// Fixed-size KV blocks, one region per layer, handed out per request.
+class BlockPool {
+ public:
+  BlockPool(disagg::Shape shape, std::uint32_t blocks)
+      : shape_(shape),
+        blocks_(blocks),
+        memory_(std::size_t{shape.layers} * blocks * shape.block_bytes()) {
+    for (std::uint32_t b = 0; b < blocks; ++b) free_.push_back(b);
+  }
+  // Waits up to `timeout` for `n` free blocks.
+  std::optional<std::vector<std::uint32_t>> take(std::uint32_t n,
+                                                 std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [&] { return free_.size() >= n; })) return std::nullopt;
+    std::vector<std::uint32_t> out(free_.begin(), free_.begin() + n);
+    free_.erase(free_.begin(), free_.begin() + n);
+    return out;
+  }
+  void give_back(const std::vector<std::uint32_t>& blocks) {
+    {
+      std::lock_guard lock(mu_);
+      free_.insert(free_.end(), blocks.begin(), blocks.end());
+      std::sort(free_.begin(), free_.end());  // keeps requests' blocks adjacent when it can
+    }
+    cv_.notify_all();
+  }
+  std::byte* block(std::uint32_t layer, std::uint32_t b) {
+    return memory_.data() + (std::size_t{layer} * blocks_ + b) * shape_.block_bytes();
+  }
+
+ private:
+  disagg::Shape shape_;
+  std::uint32_t blocks_;
+  std::vector<std::byte> memory_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::uint32_t> free_;
+};
+
+int run_decode(const Args& args) {
+  const std::string name = args.str("--name", "decode-" + std::to_string(::getpid()));
+  disagg::Shape shape;
+  shape.layers = args.num("--layers", shape.layers);
+  shape.tokens_per_block = args.num("--tokens-per-block", shape.tokens_per_block);
+  shape.bytes_per_token = args.num("--bytes-per-token", shape.bytes_per_token);
+  BlockPool pool(shape, args.num("--blocks", 512));
+  ferry::Connector connector(connector_options(name));
+  Nats nats(name);
+  Workers workers(args.num("--threads", 8));
+  std::atomic<std::uint64_t> served{0};
+
+  auto handle = [&](natsMsg* msg) {
+    json reply;
+    auto t0 = Clock::now();
+    try {
+      json req = json::parse(
+          std::string(natsMsg_GetData(msg), static_cast<std::size_t>(natsMsg_GetDataLength(msg))));
+      if (!req.contains("id")) {  // the client's "are you there?"
+        nats.reply(msg, json{{"pong", name}}.dump());
+        return;
+      }
+      const std::uint64_t id = req.at("id");
+      const std::string prompt = req.at("prompt");
+      const std::uint32_t tokens = req.at("tokens");
+      reply["id"] = id;
+      const std::uint32_t n = shape.blocks_for(tokens);
+      auto blocks = pool.take(n, 20s);
+      if (!blocks) throw std::runtime_error("no free KV blocks within 20 s");
+      // The request's KV lands in its blocks, layer by layer: one descriptor per layer and
+      // block, matched with the prefill worker's contiguous buffer as one byte stream.
+      std::vector<ferry::Descriptor> local;
+      for (std::uint32_t l = 0; l < shape.layers; ++l)
+        for (std::uint32_t b : *blocks) local.emplace_back(pool.block(l, b), shape.block_bytes());
+      ferry::OperationOptions o;
+      o.subject = "disagg.kv." + name + "." + std::to_string(id);
+      auto writable = connector.create_writable(local, o);
+      json ask = {{"id", id},
+                  {"prompt", prompt},
+                  {"tokens", tokens},
+                  {"layers", shape.layers},
+                  {"tokens_per_block", shape.tokens_per_block},
+                  {"bytes_per_token", shape.bytes_per_token},
+                  {"kv_subject", o.subject}};
+      auto answer = nats.request(kPrefill, ask.dump(), 30s);
+      bool ok = false;
+      std::string why;
+      if (!answer) {
+        why = "no prefill worker answered";
+        writable.cancel();
+      } else {
+        json pre = json::parse(*answer);
+        reply["prefill"] = pre.value("worker", "?");
+        reply["method"] = pre.value("method", "?");
+        try {
+          writable.wait_for_completion();  // its deadline is the connector's default
+          ok = true;
+        } catch (const ferry::Error& e) {
+          why = e.what();
+        }
+      }
+      if (ok) {
+        // Every byte, every layer, every block.
+        const auto digest = disagg::prompt_digest(prompt);
+        for (std::uint32_t l = 0; l < shape.layers && ok; ++l)
+          for (std::uint32_t i = 0; i < n && ok; ++i)
+            ok =
+                disagg::check_block(pool.block(l, (*blocks)[i]), shape.block_bytes(), digest, l, i);
+        if (!ok) why = "the KV cache does not verify";
+      }
+      pool.give_back(*blocks);
+      reply["ok"] = ok;
+      reply["bytes"] = std::uint64_t{shape.layers} * n * shape.block_bytes();
+      if (!ok) reply["error"] = why;
+    } catch (const std::exception& e) {
+      reply["ok"] = false;
+      reply["error"] = e.what();
+    }
+    reply["decode"] = name;
+    reply["decode_us"] =
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+    ++served;
+    nats.reply(msg, reply.dump());
+  };
+  natsSubscription* sub = serve(nats, kGenerate, "decode", workers, handle);
+  ready_and_wait(name);
+  natsSubscription_Unsubscribe(sub);
+  natsSubscription_Destroy(sub);
+  std::fprintf(stderr, "%s: served %llu requests\n", name.c_str(),
+               static_cast<unsigned long long>(served.load()));
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// prefill
+
+int run_prefill(const Args& args) {
+  const std::string name = args.str("--name", "prefill-" + std::to_string(::getpid()));
+  ferry::Connector connector(connector_options(name));
+  Nats nats(name);
+  Workers workers(args.num("--threads", 4));
+  std::atomic<std::uint64_t> served{0};
+
+  auto handle = [&](natsMsg* msg) {
+    json reply = {{"worker", name}};
+    try {
+      json req = json::parse(
+          std::string(natsMsg_GetData(msg), static_cast<std::size_t>(natsMsg_GetDataLength(msg))));
+      disagg::Shape shape;
+      shape.layers = req.at("layers");
+      shape.tokens_per_block = req.at("tokens_per_block");
+      shape.bytes_per_token = req.at("bytes_per_token");
+      const std::string prompt = req.at("prompt");
+      const std::uint32_t n = shape.blocks_for(req.at("tokens"));
+      // "Prefill": the whole KV cache of the prompt, layer after layer, block after block.
+      std::vector<std::byte> kv(std::size_t{shape.layers} * n * shape.block_bytes());
+      const auto digest = disagg::prompt_digest(prompt);
+      for (std::uint32_t l = 0; l < shape.layers; ++l)
+        for (std::uint32_t i = 0; i < n; ++i)
+          disagg::fill_block(kv.data() + (std::size_t{l} * n + i) * shape.block_bytes(),
+                             shape.block_bytes(), digest, l, i);
+      auto write = connector.begin_write({ferry::Descriptor(kv.data(), kv.size())},
+                                         ferry::Subject(req.at("kv_subject")));
+      write.wait_for_completion();
+      reply["ok"] = true;
+      reply["method"] = write.method();
+      reply["bytes"] = kv.size();
+    } catch (const std::exception& e) {
+      reply["ok"] = false;
+      reply["error"] = e.what();
+    }
+    ++served;
+    nats.reply(msg, reply.dump());
+  };
+  natsSubscription* sub = serve(nats, kPrefill, "prefill", workers, handle);
+  ready_and_wait(name);
+  natsSubscription_Unsubscribe(sub);
+  natsSubscription_Destroy(sub);
+  std::fprintf(stderr, "%s: prefilled %llu requests\n", name.c_str(),
+               static_cast<unsigned long long>(served.load()));
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// client
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  std::size_t i = static_cast<std::size_t>(p / 100.0 * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+int run_client(const Args& args) {
+  const std::uint32_t requests = args.num("--requests", 300);
+  const std::uint32_t concurrency = std::max<std::uint32_t>(1, args.num("--concurrency", 8));
+  const std::uint32_t min_tokens = args.num("--min-tokens", 128);
+  const std::uint32_t max_tokens = std::max(min_tokens, args.num("--max-tokens", 512));
+  Nats nats("disagg-client");
+
+  // Wait for the decode worker to answer at all (it may still be starting).
+  auto until = Clock::now() + 20s;
+  while (Clock::now() < until && !g_stop) {
+    if (nats.request(kGenerate, "{}", 500ms)) break;
+    std::this_thread::sleep_for(100ms);
+  }
+
+  struct Result {
+    bool ok = false;
+    double ms = 0;
+    std::uint64_t bytes = 0;
+    std::string method, prefill, error;
+  };
+  std::vector<Result> results(requests);
+  std::atomic<std::uint32_t> next{0};
+  std::atomic<std::uint32_t> finished{0};
+  std::atomic<std::uint64_t> moved{0};
+  const auto start = Clock::now();
+
+  std::vector<std::thread> threads;
+  for (std::uint32_t t = 0; t < concurrency; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(1000 + t);
+      std::uniform_int_distribution<std::uint32_t> tokens(min_tokens, max_tokens);
+      for (std::uint32_t i; !g_stop && (i = next++) < requests;) {
+        json req = {{"id", i},
+                    {"prompt", "request " + std::to_string(i) + ": tell me about ferries"},
+                    {"tokens", tokens(rng)}};
+        auto t0 = Clock::now();
+        auto answer = nats.request(kGenerate, req.dump(), 60s);
+        Result& r = results[i];
+        r.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (!answer) {
+          r.error = "no answer from the decode worker";
+        } else {
+          json rep = json::parse(*answer);
+          r.ok = rep.value("ok", false);
+          r.bytes = rep.value("bytes", std::uint64_t{0});
+          r.method = rep.value("method", "");
+          r.prefill = rep.value("prefill", "");
+          r.error = rep.value("error", "");
+          if (r.ok) moved += r.bytes;
+        }
+        ++finished;
+      }
+    });
+  }
+  // Progress, about twice a second.
+  const bool tty = isatty(STDOUT_FILENO) != 0;
+  while (finished < requests && !g_stop) {
+    std::this_thread::sleep_for(500ms);
+    double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    std::printf("%s  %4u/%u requests  %8.1f MiB moved  %6.1f req/s%s", tty ? "\r" : "",
+                finished.load(), requests, static_cast<double>(moved.load()) / (1 << 20),
+                finished.load() / secs, tty ? "" : "\n");
+    std::fflush(stdout);
+  }
+  for (auto& th : threads) th.join();
+  const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  if (tty) std::printf("\n");
+
+  std::vector<double> lat;
+  std::map<std::string, int> by_prefill, by_method;
+  std::uint32_t ok = 0;
+  std::uint64_t bytes = 0;
+  for (const auto& r : results) {
+    if (!r.ok) continue;
+    ++ok;
+    bytes += r.bytes;
+    lat.push_back(r.ms);
+    ++by_prefill[r.prefill];
+    ++by_method[r.method];
+  }
+  std::printf("\n== ferry disaggregated prefill/decode ==\n");
+  std::printf("requests     %u sent, %u verified, %u failed\n", requests, ok, requests - ok);
+  std::printf("bytes moved  %.1f MiB of KV cache, every byte verified by the decode worker\n",
+              static_cast<double>(bytes) / (1 << 20));
+  std::printf("method       ");
+  for (auto& [m, n] : by_method) std::printf("%s (%d) ", m.c_str(), n);
+  std::printf("\nprefill      ");
+  for (auto& [w, n] : by_prefill) std::printf("%s: %d  ", w.c_str(), n);
+  std::printf("\nlatency ms   p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n", percentile(lat, 50),
+              percentile(lat, 90), percentile(lat, 99), percentile(lat, 100));
+  std::printf("throughput   %.1f requests/s, %.2f GB/s of KV over %.2f s (concurrency %u)\n",
+              ok / secs, static_cast<double>(bytes) / secs / 1e9, secs, concurrency);
+  int shown = 0;
+  for (std::uint32_t i = 0; i < requests && shown < 5; ++i)
+    if (!results[i].ok) {
+      std::printf("failed       request %u: %s\n", i, results[i].error.c_str());
+      ++shown;
+    }
+  return ok == requests ? 0 : 1;
+}
+
+// ---------------------------------------------------------------------------------------
+// all
+
+int run_all(const char* self, const Args& args) {
+  std::vector<std::unique_ptr<disagg::Child>> children;
+  std::unique_ptr<disagg::Child> nats_server;
+  if (const char* url = std::getenv("FERRY_NATS_URL"); url == nullptr || *url == '\0') {
+    auto port = disagg::free_port();
+    nats_server = std::make_unique<disagg::Child>(std::vector<std::string>{
+        "/usr/sbin/nats-server", "-a", "127.0.0.1", "-p", std::to_string(port), "-l", "/dev/null"});
+    if (!disagg::wait_for_port(port, 10s)) {
+      std::fprintf(stderr, "disagg: nats-server did not start\n");
+      return 2;
+    }
+    ::setenv("FERRY_NATS_URL", ("nats://127.0.0.1:" + std::to_string(port)).c_str(), 1);
+    std::printf("nats-server  started privately at %s\n", std::getenv("FERRY_NATS_URL"));
+  }
+  std::vector<std::string> pass;  // the shape options go to the decode worker
+  for (const char* key : {"--layers", "--tokens-per-block", "--bytes-per-token", "--blocks"})
+    if (args.values.count(key)) pass.insert(pass.end(), {key, args.values.at(key)});
+  std::vector<std::string> decode{self, "decode", "--name", "decode-0"};
+  decode.insert(decode.end(), pass.begin(), pass.end());
+  children.push_back(std::make_unique<disagg::Child>(decode, true));
+  const std::uint32_t prefills = args.num("--prefill", 2);
+  for (std::uint32_t i = 0; i < prefills; ++i)
+    children.push_back(std::make_unique<disagg::Child>(
+        std::vector<std::string>{self, "prefill", "--name", "prefill-" + std::to_string(i)}, true));
+  for (auto& c : children) {
+    if (!c->wait_ready(20s)) {
+      std::fprintf(stderr, "disagg: a worker did not come up\n");
+      return 2;
+    }
+  }
+  std::printf("workers      decode-0, %u prefill (queue group \"prefill\")\n", prefills);
+  int rc = run_client(args);
+  // Stop the workers first, then the server they talk to.
+  for (auto& c : children) c->stop();
+  children.clear();
+  nats_server.reset();
+  return g_stop ? 130 : rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  install_stop_handlers();
+  std::string role = argc > 1 ? argv[1] : "all";
+  Args args(argc, argv, argc > 1 ? 2 : 1);
+  try {
+    if (role == "decode") return run_decode(args);
+    if (role == "prefill") return run_prefill(args);
+    if (role == "client") return run_client(args);
+    if (role == "all") return run_all("/proc/self/exe", args);
+    std::fprintf(stderr, "usage: %s [all|decode|prefill|client] [--option value]...\n", argv[0]);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "disagg %s: %s\n", role.c_str(), e.what());
+    return 1;
+  }
+}
