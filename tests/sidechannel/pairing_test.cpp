@@ -99,27 +99,53 @@ TEST_F(PairingTest, TheListenerFacesTheNatsInterface) {
   EXPECT_EQ(owner_.endpoints().at(0).address.rfind("127.0.0.1:", 0), 0u);
 }
 
-TEST_F(PairingTest, ReadableAndReadBySubject) {
-  auto src = test::patterned(3u << 20, 41);
-  auto dst = test::buffer(3u << 20);
-  auto readable = owner_.create_readable({Descriptor(src.data(), src.size())}, at("kv.r1"));
-  auto read = peer_.begin_read(Subject("kv.r1"), {Descriptor(dst.data(), dst.size())});
-  ASSERT_TRUE(read.wait_for_completion(30s));
-  ASSERT_TRUE(readable.wait_for_completion(30s));
-  EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 41), -1);
-  EXPECT_EQ(read.method(), "tcp");
-  EXPECT_EQ(readable.method(), "tcp");
+// All four operation kinds in one process: each connector serves (readable, writable) and
+// acts (read, write) by subject.
+class InProcessPairing : public ::testing::TestWithParam<std::tuple<OperationKind, bool>> {
+ protected:
+  test::NatsServer server_;
+  Connector a_{nats_options("a", {server_.url()})};
+  Connector b_{nats_options("b", {server_.url()})};
+};
+
+TEST_P(InProcessPairing, BySubject) {
+  const auto [kind, a_serves] = GetParam();
+  Connector& owner = a_serves ? a_ : b_;
+  Connector& peer = a_serves ? b_ : a_;
+  constexpr std::size_t kSize = 3u << 20;
+  auto src = test::patterned(kSize, 41);
+  auto dst = test::buffer(kSize);
+  const std::string subject =
+      std::string("kv.") + (a_serves ? "a." : "b.") + std::string(to_string(kind));
+  if (kind == OperationKind::read) {
+    auto readable = owner.create_readable({Descriptor(src.data(), kSize)}, at(subject));
+    auto read = peer.begin_read(Subject(subject), {Descriptor(dst.data(), kSize)});
+    ASSERT_TRUE(read.wait_for_completion(30s));
+    ASSERT_TRUE(readable.wait_for_completion(30s));
+    EXPECT_EQ(read.method(), "tcp");
+    EXPECT_EQ(readable.method(), "tcp");
+  } else {
+    auto writable = owner.create_writable({Descriptor(dst.data(), kSize)}, at(subject));
+    auto write = peer.begin_write({Descriptor(src.data(), kSize)}, Subject(subject));
+    ASSERT_TRUE(write.wait_for_completion(30s));
+    ASSERT_TRUE(writable.wait_for_completion(30s));
+    EXPECT_EQ(write.method(), "tcp");
+  }
+  EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 41), -1);
 }
 
-TEST_F(PairingTest, WritableAndWriteBySubject) {
-  auto src = test::patterned(1u << 20, 42);
-  auto dst = test::buffer(1u << 20);
-  auto writable = owner_.create_writable({Descriptor(dst.data(), dst.size())}, at("kv.w1"));
-  auto write = peer_.begin_write({Descriptor(src.data(), src.size())}, Subject("kv.w1"));
-  ASSERT_TRUE(write.wait_for_completion(30s));
-  ASSERT_TRUE(writable.wait_for_completion(30s));
-  EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 42), -1);
+std::string in_process_name(const ::testing::TestParamInfo<std::tuple<OperationKind, bool>>& p) {
+  const bool a_serves = std::get<1>(p.param);
+  return std::get<0>(p.param) == OperationKind::read
+             ? (a_serves ? "BReadsReadableOfA" : "AReadsReadableOfB")
+             : (a_serves ? "BWritesWritableOfA" : "AWritesWritableOfB");
 }
+
+INSTANTIATE_TEST_SUITE_P(AllPairings, InProcessPairing,
+                         ::testing::Combine(::testing::Values(OperationKind::read,
+                                                              OperationKind::write),
+                                            ::testing::Bool()),
+                         in_process_name);
 
 TEST_F(PairingTest, ActiveSideFirstRetriesUntilThePassiveSideAppears) {
   auto src = test::patterned(65536, 43);
