@@ -171,9 +171,10 @@ class Workers {
   std::vector<std::thread> threads_;
 };
 
-// Subscribes `handler` to `subject` in `queue`; messages are handed to `workers`.
-natsSubscription* serve(Nats& nats, const char* subject, const char* queue, Workers& workers,
-                        std::function<void(natsMsg*)> handler) {
+// Subscribes `handler` to `subject` in `queue` (messages are handed to `workers`), says
+// "ready" on stdout for the supervisor, and serves until a stop signal.
+void serve_until_stopped(Nats& nats, const char* subject, const char* queue, Workers& workers,
+                         const std::string& name, std::function<void(natsMsg*)> handler) {
   struct Ctx {
     Workers* workers;
     std::function<void(natsMsg*)> handler;
@@ -193,7 +194,11 @@ natsSubscription* serve(Nats& nats, const char* subject, const char* queue, Work
   if (s != NATS_OK) throw std::runtime_error(std::string("subscribe: ") + natsStatus_GetText(s));
   natsSubscription_SetOnCompleteCB(
       sub, [](void* closure) { delete static_cast<Ctx*>(closure); }, ctx);
-  return sub;
+  std::printf("ready %s\n", name.c_str());
+  std::fflush(stdout);
+  while (!g_stop) std::this_thread::sleep_for(50ms);
+  natsSubscription_Unsubscribe(sub);
+  natsSubscription_Destroy(sub);
 }
 
 ferry::ConnectorOptions connector_options(const std::string& name) {
@@ -201,13 +206,6 @@ ferry::ConnectorOptions connector_options(const std::string& name) {
   o.name = name;
   o.default_timeout = 30s;  // nothing waits forever
   return o;                 // the side channel comes from FERRY_NATS_URL
-}
-
-// Says "ready" on stdout once serving, for the supervisor, then waits for a stop signal.
-void ready_and_wait(const std::string& name) {
-  std::printf("ready %s\n", name.c_str());
-  std::fflush(stdout);
-  while (!g_stop) std::this_thread::sleep_for(50ms);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -336,10 +334,7 @@ int run_decode(const Args& args) {
     ++served;
     nats.reply(msg, reply.dump());
   };
-  natsSubscription* sub = serve(nats, kGenerate, "decode", workers, handle);
-  ready_and_wait(name);
-  natsSubscription_Unsubscribe(sub);
-  natsSubscription_Destroy(sub);
+  serve_until_stopped(nats, kGenerate, "decode", workers, name, handle);
   std::fprintf(stderr, "%s: served %llu requests\n", name.c_str(),
                static_cast<unsigned long long>(served.load()));
   return 0;
@@ -386,10 +381,7 @@ int run_prefill(const Args& args) {
     ++served;
     nats.reply(msg, reply.dump());
   };
-  natsSubscription* sub = serve(nats, kPrefill, "prefill", workers, handle);
-  ready_and_wait(name);
-  natsSubscription_Unsubscribe(sub);
-  natsSubscription_Destroy(sub);
+  serve_until_stopped(nats, kPrefill, "prefill", workers, name, handle);
   std::fprintf(stderr, "%s: prefilled %llu requests\n", name.c_str(),
                static_cast<unsigned long long>(served.load()));
   return 0;

@@ -16,6 +16,8 @@ namespace ferry {
 namespace {
 
 using namespace std::chrono_literals;
+using test::ended_with;
+using test::eventually;
 
 constexpr std::size_t kBig = std::size_t{256} << 20;
 constexpr std::byte kSentinel{0xab};
@@ -33,31 +35,6 @@ std::unique_ptr<std::byte[]> big_buffer(std::byte fill) {
   auto buf = std::make_unique<std::byte[]>(kBig);
   std::memset(buf.get(), static_cast<int>(fill), kBig);
   return buf;
-}
-
-// Polls every millisecond, at most `limit`; tests only.
-template <class F>
-bool eventually(F done, std::chrono::milliseconds limit = 10s) {
-  auto until = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
-
-// Waits for `op` to end and returns its error code (the test fails if it completed).
-ErrorCode ended_with(const Operation& op, std::chrono::seconds limit = 30s) {
-  try {
-    if (!op.wait_for_completion(limit)) {
-      ADD_FAILURE() << "did not end in time";
-      return ErrorCode::Internal;
-    }
-    ADD_FAILURE() << "completed";
-    return ErrorCode::Internal;
-  } catch (const Error& e) {
-    return e.code();
-  }
 }
 
 bool all_equal(const std::byte* data, std::size_t size, std::byte value) {

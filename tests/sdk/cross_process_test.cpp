@@ -19,24 +19,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using test::ChildProcess;
+using test::eventually;
 using test::peer_command;
-
-// Which operation this process owns; the child owns the other side.
-enum class Side { OurReadable, OurWritable, WeRead, WeWrite };
-
-std::string side_name(Side s) {
-  switch (s) {
-    case Side::OurReadable:
-      return "ChildReadsOurReadable";
-    case Side::OurWritable:
-      return "ChildWritesOurWritable";
-    case Side::WeRead:
-      return "WeReadChildReadable";
-    case Side::WeWrite:
-      return "WeWriteChildWritable";
-  }
-  return "?";
-}
+using test::Side;
+using test::side_name;
 
 std::string expect_prefix(const std::string& line, const std::string& prefix) {
   EXPECT_EQ(line.rfind(prefix, 0), 0u) << line;
@@ -112,17 +98,6 @@ INSTANTIATE_TEST_SUITE_P(AllPairings, CrossProcessTest,
 // Large enough that the transfer cannot finish between noticing it started and stopping the
 // child; the child is frozen (SIGSTOP) first, so it is surely mid-transfer when killed.
 constexpr std::size_t kBig = std::size_t{512} << 20;
-
-// Polls `done` every millisecond for at most `limit`; tests only.
-template <class F>
-bool eventually(F done, std::chrono::milliseconds limit) {
-  auto until = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
 
 void expect_peer_lost_in_time(const Operation& op, const std::string& peer_name) {
   auto start = std::chrono::steady_clock::now();

@@ -18,14 +18,9 @@ namespace ferry {
 namespace {
 
 using namespace std::chrono_literals;
+using test::at;
+using test::eventually;
 using test::nats_options;
-
-OperationOptions at(std::string subject, std::chrono::milliseconds timeout = 0ms) {
-  OperationOptions o;
-  o.subject = std::move(subject);
-  o.timeout = timeout;
-  return o;
-}
 
 // One read of `size` patterned bytes by subject, from `owner` to `reader`, verified.
 void pair_once(Connector& owner, Connector& reader, const std::string& subject, std::uint64_t seed,
@@ -55,16 +50,6 @@ struct EventLog {
     return static_cast<int>(std::count(events.begin(), events.end(), e));
   }
 };
-
-template <class F>
-bool eventually(F done, std::chrono::milliseconds limit) {
-  auto until = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
 
 TEST(NatsRestart, ConnectorsReconnectAndLaterOperationsComplete) {
   test::NatsServer server;

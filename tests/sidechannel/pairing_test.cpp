@@ -20,27 +20,10 @@ namespace ferry {
 namespace {
 
 using namespace std::chrono_literals;
+using test::at;
+using test::ended_with;
 using test::nats_options;
-
-ErrorCode ended_with(const Operation& op, std::chrono::seconds limit = 30s) {
-  try {
-    if (!op.wait_for_completion(limit)) {
-      ADD_FAILURE() << "did not end in time";
-      return ErrorCode::Internal;
-    }
-    ADD_FAILURE() << "completed";
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return ErrorCode::Internal;
-}
-
-OperationOptions at(std::string subject, std::chrono::milliseconds timeout = 0ms) {
-  OperationOptions o;
-  o.subject = std::move(subject);
-  o.timeout = timeout;
-  return o;
-}
+using test::Side;
 
 TEST(Subject, ValidationNamesTheProblem) {
   using sidechannel::subject_problem;
@@ -291,8 +274,6 @@ TEST_F(SmallPayloadTest, MetadataThatCannotFitIsRefusedNamingBothSizes) {
 // ---------------------------------------------------------------------------------------
 // Across processes: the child finds the server through FERRY_NATS_URL.
 
-enum class Side { OurReadable, OurWritable, WeRead, WeWrite };
-
 class CrossProcessPairing : public ::testing::TestWithParam<Side> {
  protected:
   test::NatsServer server_;
@@ -349,24 +330,14 @@ TEST_P(CrossProcessPairing, BySubject) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
-std::string side_name(const ::testing::TestParamInfo<Side>& param) {
-  switch (param.param) {
-    case Side::OurReadable:
-      return "ChildReadsOurReadable";
-    case Side::OurWritable:
-      return "ChildWritesOurWritable";
-    case Side::WeRead:
-      return "WeReadChildReadable";
-    case Side::WeWrite:
-      return "WeWriteChildWritable";
-  }
-  return "?";
+std::string side_param_name(const ::testing::TestParamInfo<test::Side>& param) {
+  return test::side_name(param.param);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllPairings, CrossProcessPairing,
                          ::testing::Values(Side::OurReadable, Side::OurWritable, Side::WeRead,
                                            Side::WeWrite),
-                         side_name);
+                         side_param_name);
 
 TEST(PairingAcrossProcesses, ActiveReaderKilledErrorsThePassiveSideNamingIt) {
   test::NatsServer server;

@@ -2,9 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include <ferry/connector.hpp>
+#include <ferry/operation.hpp>
 
 namespace ferry::test {
 
@@ -17,6 +20,60 @@ inline ConnectorOptions named(std::string name) {
 /// Names a size-parameterized test "bytes_<n>".
 inline std::string size_name(const ::testing::TestParamInfo<std::size_t>& param) {
   return "bytes_" + std::to_string(param.param);
+}
+
+/// Waits for `op` to end with an error and returns its code; fails the test (and returns
+/// Internal) if it completes or does not end within `limit`.
+inline ErrorCode ended_with(const Operation& op,
+                            std::chrono::seconds limit = std::chrono::seconds(30)) {
+  try {
+    if (!op.wait_for_completion(limit)) {
+      ADD_FAILURE() << "did not end in time";
+      return ErrorCode::Internal;
+    }
+    ADD_FAILURE() << "completed";
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return ErrorCode::Internal;
+}
+
+/// Checks `done` every millisecond for at most `limit`: for states ferry has no event for
+/// (a peer's progress seen from outside). Tests only.
+template <class F>
+bool eventually(F done, std::chrono::milliseconds limit = std::chrono::seconds(10)) {
+  auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+/// Options that serve (passive) at `subject`, with a deadline when `timeout` is not zero.
+inline OperationOptions at(std::string subject,
+                           std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) {
+  OperationOptions o;
+  o.subject = std::move(subject);
+  o.timeout = timeout;
+  return o;
+}
+
+/// Which operation this process owns in a cross-process test; the child owns the other side.
+enum class Side { OurReadable, OurWritable, WeRead, WeWrite };
+
+inline std::string side_name(Side side) {
+  switch (side) {
+    case Side::OurReadable:
+      return "ChildReadsOurReadable";
+    case Side::OurWritable:
+      return "ChildWritesOurWritable";
+    case Side::WeRead:
+      return "WeReadChildReadable";
+    case Side::WeWrite:
+      return "WeWriteChildWritable";
+  }
+  return "?";
 }
 
 }  // namespace ferry::test

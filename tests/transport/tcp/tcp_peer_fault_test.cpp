@@ -32,19 +32,6 @@ RdmaMetadata fake(OperationKind kind, const std::string& address, const std::str
   return m;
 }
 
-ErrorCode ended_with(const Operation& op, std::chrono::seconds limit = 10s) {
-  try {
-    if (!op.wait_for_completion(limit)) {
-      ADD_FAILURE() << "did not end in time";
-      return ErrorCode::Internal;
-    }
-    ADD_FAILURE() << "completed";
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return ErrorCode::Internal;
-}
-
 ConnectorOptions quick(std::string name) {
   ConnectorOptions o = named(std::move(name));
   o.peer_timeout = 300ms;
