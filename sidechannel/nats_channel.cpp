@@ -286,6 +286,7 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   }
   outbox_->nc = nc;
   url_ = current_url(nc);
+  confirm_timeout_ms_ = o.request_timeout.count();
   state_->max_payload = natsConnection_GetMaxPayload(nc);
   char* ip = nullptr;
   int port = 0;
@@ -325,12 +326,12 @@ std::int64_t NatsChannel::max_payload() const noexcept { return state_->max_payl
 bool NatsChannel::connected() const noexcept { return state_->connected; }
 
 std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::string& queue,
-                                     MessageHandler handler) {
+                                     MessageHandler handler, std::function<void()> registered) {
   const std::uint64_t id = state_->next_sub++;
   const bool inbox = !handler;
   if (handler) state_->subs.emplace(id, std::move(handler));
   auto* closure = new SubClosure{state_, loop_.poster(), id, inbox};
-  outbox_->push([this, id, subject, queue, closure] {
+  outbox_->push([this, id, subject, queue, closure, registered = std::move(registered)] {
     natsSubscription* sub = nullptr;
     natsStatus s =
         queue.empty()
@@ -341,10 +342,17 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
       std::fprintf(stderr, "ferry: NATS subscribe to %s failed: %s\n", subject.c_str(),
                    natsStatus_GetText(s));
       delete closure;
+      if (registered) registered();
       return;
     }
     natsSubscription_SetOnCompleteCB(sub, on_sub_complete, closure);
     outbox_->subs[id] = sub;
+    if (registered) {
+      // A PING after the SUB: its PONG means the server has the subscription. On this
+      // thread, never the loop's, which is the one that reads the PONG.
+      natsConnection_FlushTimeout(outbox_->nc, confirm_timeout_ms_);
+      registered();
+    }
   });
   return id;
 }

@@ -48,9 +48,11 @@ class NatsChannel {
   NatsChannel& operator=(const NatsChannel&) = delete;
 
   /// Subscribes; `handler` runs on the loop for each message until unsubscribe(). `queue`
-  /// may be empty. Returns an id for unsubscribe().
+  /// may be empty. Returns an id for unsubscribe(). `registered`, when given, is called (on
+  /// the worker thread) once the server has confirmed the subscription, or has not within
+  /// request_timeout: a request published after that reaches the handler.
   std::uint64_t subscribe(const std::string& subject, const std::string& queue,
-                          MessageHandler handler);
+                          MessageHandler handler, std::function<void()> registered = {});
   /// After it returns, the handler is not called again.
   void unsubscribe(std::uint64_t id);
   void publish(const std::string& subject, std::string data, const std::string& reply = {});
@@ -82,6 +84,7 @@ class NatsChannel {
   std::unique_ptr<Outbox> outbox_;
   std::string local_ip_;
   std::string url_;
+  std::int64_t confirm_timeout_ms_ = 1000;
   std::uint64_t inbox_sub_ = 0;
 };
 

@@ -275,9 +275,14 @@ std::shared_ptr<OperationState> Core::create_passive(OperationKind kind,
     op->exposed_on.push_back(t.get());
   }
   if (!subject.empty()) {
-    op->serving = nats->subscribe(subject, {}, [this, served](const sidechannel::Message& msg) {
-      if (!msg.reply.empty()) nats->publish(msg.reply, served);
-    });
+    auto registered = std::make_shared<std::promise<void>>();
+    op->served = registered->get_future().share();
+    op->serving = nats->subscribe(
+        subject, {},
+        [this, served](const sidechannel::Message& msg) {
+          if (!msg.reply.empty()) nats->publish(msg.reply, served);
+        },
+        [registered] { registered->set_value(); });
   }
   op->set_status(OperationStatus::initialized);
   op->arm(timeout);
@@ -377,8 +382,13 @@ std::shared_ptr<detail::OperationState> create(detail::Core& core, OperationKind
                   "serving at a subject needs the NATS side channel (NatsOptions::servers or "
                   "FERRY_NATS_URL)");
   }
-  return core.loop->call(
+  auto op = core.loop->call(
       [&] { return core.create_passive(kind, std::move(local), timeout, options.subject); });
+  // Off the loop, return only once the server has the subscription: a peer told right after
+  // this call finds the subject served. (On the loop thread this cannot wait; a peer that
+  // asks too early is answered "no responders" and asks again at once.)
+  if (op->served.valid() && !core.loop->in_loop_thread()) op->served.wait();
+  return op;
 }
 
 std::shared_ptr<detail::OperationState> begin(detail::Core& core, OperationKind kind,

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -142,6 +143,8 @@ class OperationState final : public transport::ExposureObserver,
   std::uint64_t request = 0;
   uv_timer_t* retry = nullptr;
   std::chrono::milliseconds backoff{0};
+  /// Passive, paired by subject: set once the NATS server has the subscription.
+  std::shared_future<void> served;
   /// Active, paired by subject: the peer's metadata once it arrived (the completion notice
   /// goes to its owner).
   std::optional<RdmaMetadata> remote;

@@ -210,11 +210,12 @@ void OperationState::on_metadata_reply(const sidechannel::Message& reply) {
   if (is_final(status()) || remote) return;
   request = 0;
   if (reply.no_responders) {
-    // Nobody serves the subject yet: ask again soon, backing off up to a quarter second.
+    // Nobody serves the subject yet. The first time, ask again at once (the server may only
+    // just be getting the subscription); then after 1, 2, 4 ... ms, up to a quarter second.
     using std::chrono::milliseconds;
-    backoff = std::clamp(backoff * 2, milliseconds(2), milliseconds(250));
     uv_timer_start(retry, &OperationState::on_retry, static_cast<std::uint64_t>(backoff.count()),
                    0);
+    backoff = std::clamp(backoff * 2, milliseconds(1), milliseconds(250));
     return;
   }
   uv_timer_stop(retry);
