@@ -1,6 +1,7 @@
 #include "sidechannel/nats_channel.hpp"
 
 #include <nats/nats.h>
+#include <sys/random.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -65,9 +66,11 @@ struct NatsChannel::State {
 
   // Loop thread only.
   std::unordered_map<std::uint64_t, MessageHandler> subs;
+  // Keyed by random ids: the reply subjects are visible on the wire, and an answer to a
+  // request must not be forgeable by guessing the next one.
   std::unordered_map<std::uint64_t, MessageHandler> requests;
+  std::unordered_map<std::uint64_t, Registered> confirms;
   std::uint64_t next_sub = 1;
-  std::uint64_t next_request = 1;
   bool connected = true;
 
   // Written by cnats' callback thread, read by the loop.
@@ -81,15 +84,31 @@ struct NatsChannel::State {
     handler(m);
   }
   void answer(const Message& m) {
-    // Inbox subjects end in the request's number.
+    // Inbox subjects end in "r<id>" (an answer to a request) or "c<id>" (a subscription
+    // confirmed: see subscribe()), the id in hex.
     auto dot = m.subject.rfind('.');
-    if (dot == std::string::npos) return;
-    std::uint64_t id = std::strtoull(m.subject.c_str() + dot + 1, nullptr, 10);
+    if (dot == std::string::npos || dot + 2 > m.subject.size()) return;
+    const char kind = m.subject[dot + 1];
+    std::uint64_t id = std::strtoull(m.subject.c_str() + dot + 2, nullptr, 16);
+    if (kind == 'c') {
+      auto it = confirms.find(id);
+      if (it == confirms.end()) return;
+      Registered done = std::move(it->second);
+      confirms.erase(it);
+      done({});
+      return;
+    }
     auto it = requests.find(id);
     if (it == requests.end()) return;  // answered already, or cancelled
     MessageHandler handler = std::move(it->second);
     requests.erase(it);
     handler(m);
+  }
+  std::uint64_t random_id() {
+    std::uint64_t id = 0;
+    while (id == 0)
+      if (getrandom(&id, sizeof id, 0) != static_cast<ssize_t>(sizeof id)) id = 0;
+    return id;
   }
 };
 
@@ -126,13 +145,16 @@ struct NatsChannel::Outbox {
     }
     cv.notify_one();
   }
-  // Runs what is queued (completion notices among it), then ends the thread.
-  void stop() {
+  // No more tasks; the thread runs what is queued, then ends.
+  void finish_queue() {
     {
       std::lock_guard lock(mu);
       stopping = true;
     }
     cv.notify_one();
+  }
+  void stop() {
+    finish_queue();
     if (thread.joinable()) thread.join();
   }
 };
@@ -212,6 +234,13 @@ void on_error(natsConnection*, natsSubscription*, natsStatus err, void* closure)
   post_event(nullptr, closure, SideChannelEvent::error, natsStatus_GetText(err));
 }
 
+template <class Handle>
+void close_handle(Handle* h) {
+  if (h == nullptr) return;
+  uv_close(reinterpret_cast<uv_handle_t*>(h),
+           [](uv_handle_t* closed) { delete reinterpret_cast<Handle*>(closed); });
+}
+
 }  // namespace
 
 NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string client_id)
@@ -286,7 +315,18 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   }
   outbox_->nc = nc;
   url_ = current_url(nc);
-  confirm_timeout_ms_ = o.request_timeout.count();
+  closer_ = new uv_async_t{};
+  uv_async_init(loop.uv(), closer_, [](uv_async_t* h) {
+    auto* self = static_cast<NatsChannel*>(h->data);
+    uv_timer_start(
+        self->finisher_, [](uv_timer_t* t) { delete static_cast<NatsChannel*>(t->data); }, 0, 0);
+  });
+  closer_->data = this;
+  uv_unref(reinterpret_cast<uv_handle_t*>(closer_));  // only a close in progress keeps the loop
+  finisher_ = new uv_timer_t{};
+  uv_timer_init(loop.uv(), finisher_);
+  finisher_->data = this;
+  uv_unref(reinterpret_cast<uv_handle_t*>(finisher_));
   state_->max_payload = natsConnection_GetMaxPayload(nc);
   char* ip = nullptr;
   int port = 0;
@@ -304,17 +344,34 @@ NatsChannel::~NatsChannel() {
   // Handlers die first, so that messages arriving during the close find nothing.
   state_->subs.clear();
   state_->requests.clear();
-  std::weak_ptr<State> gone = state_;
+  state_->confirms.clear();
   state_.reset();
   natsConnection* nc = outbox_->nc;
-  std::unordered_map<std::uint64_t, natsSubscription*> subs;
-  outbox_->push([&] { subs.swap(outbox_->subs); });
   outbox_->stop();
-  // On the loop thread: this cnats' adapter stops polling synchronously only there, before
-  // cnats closes the socket.
+  // On the loop thread: this cnats' adapter stops polling synchronously there (when nothing
+  // of its own is still queued, which close() sees to), before cnats closes the socket.
   natsConnection_Close(nc);
-  for (auto& [id, sub] : subs) natsSubscription_Destroy(sub);
+  for (auto& [id, sub] : outbox_->subs) natsSubscription_Destroy(sub);
   natsConnection_Destroy(nc);
+  close_handle(closer_);
+  close_handle(finisher_);
+}
+
+void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
+  NatsChannel* self = channel.release();
+  self->closing_ = true;
+  self->state_->subs.clear();
+  self->state_->requests.clear();
+  self->state_->confirms.clear();
+  uv_ref(reinterpret_cast<uv_handle_t*>(self->closer_));
+  uv_ref(reinterpret_cast<uv_handle_t*>(self->finisher_));
+  // The flush runs on the worker while the loop, free, writes what cnats buffered and reads
+  // the PONG; then the worker wakes the loop to finish.
+  self->outbox_->push([self] {
+    natsConnection_FlushTimeout(self->outbox_->nc, 500);
+    uv_async_send(self->closer_);
+  });
+  self->outbox_->finish_queue();
 }
 
 std::string NatsChannel::own_subject(std::string_view suffix) const {
@@ -326,12 +383,26 @@ std::int64_t NatsChannel::max_payload() const noexcept { return state_->max_payl
 bool NatsChannel::connected() const noexcept { return state_->connected; }
 
 std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::string& queue,
-                                     MessageHandler handler, std::function<void()> registered) {
+                                     MessageHandler handler, Registered registered) {
   const std::uint64_t id = state_->next_sub++;
-  const bool inbox = !handler;
+  const bool inbox = !handler;  // our own "<inbox>.*", the one wildcard subscription
+  if (auto why = inbox ? std::string() : subject_problem(subject); closing_ || !why.empty()) {
+    if (registered) registered(closing_ ? "the side channel is closing" : "subject " + why);
+    return id;
+  }
   if (handler) state_->subs.emplace(id, std::move(handler));
+  std::string confirm;
+  if (registered) {
+    const std::uint64_t c = state_->random_id();
+    char token[24];
+    std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(c));
+    confirm = state_->inbox + token;
+    state_->confirms.emplace(c, std::move(registered));
+  }
   auto* closure = new SubClosure{state_, loop_.poster(), id, inbox};
-  outbox_->push([this, id, subject, queue, closure, registered = std::move(registered)] {
+  auto poster = loop_.poster();
+  std::weak_ptr<State> weak = state_;
+  outbox_->push([this, id, subject, queue, closure, confirm, poster, weak] {
     natsSubscription* sub = nullptr;
     natsStatus s =
         queue.empty()
@@ -339,20 +410,26 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
             : natsConnection_QueueSubscribe(&sub, outbox_->nc, subject.c_str(), queue.c_str(),
                                             on_message, closure);
     if (s != NATS_OK) {
-      std::fprintf(stderr, "ferry: NATS subscribe to %s failed: %s\n", subject.c_str(),
-                   natsStatus_GetText(s));
       delete closure;
-      if (registered) registered();
+      std::string why = std::string("cannot subscribe to ") + subject + ": " + status_text(s);
+      // Tell whoever waits for the subscription, on the loop.
+      poster.post([weak, confirm, why] {
+        auto st = weak.lock();
+        if (!st || confirm.empty()) return;
+        auto c = std::strtoull(confirm.c_str() + confirm.rfind('.') + 2, nullptr, 16);
+        auto it = st->confirms.find(c);
+        if (it == st->confirms.end()) return;
+        Registered done = std::move(it->second);
+        st->confirms.erase(it);
+        done(why);
+      });
       return;
     }
     natsSubscription_SetOnCompleteCB(sub, on_sub_complete, closure);
     outbox_->subs[id] = sub;
-    if (registered) {
-      // A PING after the SUB: its PONG means the server has the subscription. On this
-      // thread, never the loop's, which is the one that reads the PONG.
-      natsConnection_FlushTimeout(outbox_->nc, confirm_timeout_ms_);
-      registered();
-    }
+    // Behind the SUB on the same connection: when this comes back to our inbox, the server
+    // has the subscription.
+    if (!confirm.empty()) natsConnection_Publish(outbox_->nc, confirm.c_str(), nullptr, 0);
   });
   return id;
 }
@@ -369,6 +446,14 @@ void NatsChannel::unsubscribe(std::uint64_t id) {
 }
 
 void NatsChannel::publish(const std::string& subject, std::string data, const std::string& reply) {
+  // A subject that came from a peer's message must not smuggle protocol in.
+  if (auto why = subject_problem(subject);
+      closing_ || !why.empty() || (!reply.empty() && !subject_problem(reply).empty())) {
+    if (!closing_)
+      std::fprintf(stderr, "ferry: not publishing to '%s': subject %s\n", subject.c_str(),
+                   why.empty() ? "has a bad reply subject" : why.c_str());
+    return;
+  }
   outbox_->push([this, subject, data = std::move(data), reply] {
     natsStatus s = reply.empty()
                        ? natsConnection_Publish(outbox_->nc, subject.c_str(), data.data(),
@@ -383,9 +468,11 @@ void NatsChannel::publish(const std::string& subject, std::string data, const st
 
 std::uint64_t NatsChannel::request(const std::string& subject, std::string data,
                                    MessageHandler handler) {
-  const std::uint64_t id = state_->next_request++;
+  const std::uint64_t id = state_->random_id();
   state_->requests.emplace(id, std::move(handler));
-  publish(subject, std::move(data), state_->inbox + "." + std::to_string(id));
+  char token[24];
+  std::snprintf(token, sizeof token, ".r%llx", static_cast<unsigned long long>(id));
+  publish(subject, std::move(data), state_->inbox + token);
   return id;
 }
 

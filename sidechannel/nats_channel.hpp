@@ -42,17 +42,30 @@ class NatsChannel {
   /// Error(AccessDenied) when the server refuses the credentials, Error(SideChannel)
   /// otherwise.
   NatsChannel(EventLoop& loop, const NatsOptions& options, std::string client_id);
-  /// Closes the connection; loop thread.
+  /// Closes at once; loop thread. Publishes still buffered by cnats are lost, and cnats may
+  /// wait up to 500 ms for them: use close() instead when the loop can keep running.
   ~NatsChannel();
+
+  /// Closes in two phases so that nothing published so far is lost and the loop is never
+  /// blocked: the loop keeps running while a final flush (at most 500 ms) sends what cnats has
+  /// buffered; a loop turn after it, the connection is closed and the channel deleted. The
+  /// loop must keep running until then (an owned loop does; an embedded one needs a few more
+  /// turns, as for any closing libuv handle). Loop thread.
+  static void close(std::unique_ptr<NatsChannel> channel);
   NatsChannel(const NatsChannel&) = delete;
   NatsChannel& operator=(const NatsChannel&) = delete;
 
+  /// Called on the loop once a subscription is in place at the server (`error` empty), or
+  /// could not be made (`error` says why).
+  using Registered = std::function<void(const std::string& error)>;
+
   /// Subscribes; `handler` runs on the loop for each message until unsubscribe(). `queue`
-  /// may be empty. Returns an id for unsubscribe(). `registered`, when given, is called (on
-  /// the worker thread) once the server has confirmed the subscription, or has not within
-  /// request_timeout: a request published after that reaches the handler.
+  /// may be empty. Returns an id for unsubscribe(). `registered`, when given, hears when the
+  /// server has the subscription: a request published after that reaches the handler. (The
+  /// server handles a connection's messages in order, so a message this connection sends to
+  /// itself after the SUB comes back only once the SUB is in place; nothing blocks.)
   std::uint64_t subscribe(const std::string& subject, const std::string& queue,
-                          MessageHandler handler, std::function<void()> registered = {});
+                          MessageHandler handler, Registered registered = {});
   /// After it returns, the handler is not called again.
   void unsubscribe(std::uint64_t id);
   void publish(const std::string& subject, std::string data, const std::string& reply = {});
@@ -84,8 +97,12 @@ class NatsChannel {
   std::unique_ptr<Outbox> outbox_;
   std::string local_ip_;
   std::string url_;
-  std::int64_t confirm_timeout_ms_ = 1000;
   std::uint64_t inbox_sub_ = 0;
+  // The two-phase close: the worker's final flush wakes closer_; finisher_ runs a loop turn
+  // later, when cnats' adapter has processed what that flush queued.
+  uv_async_t* closer_ = nullptr;
+  uv_timer_t* finisher_ = nullptr;
+  bool closing_ = false;
 };
 
 }  // namespace ferry::sidechannel

@@ -42,8 +42,12 @@ std::string encode(const CompletionNotice& n) {
 }
 
 std::optional<CompletionNotice> decode_notice(std::string_view text) {
+  // Anyone may publish here: check every type before reading, never throw.
   json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!doc.is_object() || doc.value("version", 0) != kVersion) return std::nullopt;
+  if (!doc.is_object()) return std::nullopt;
+  auto version = doc.find("version");
+  if (version == doc.end() || !version->is_number_integer() || *version != kVersion)
+    return std::nullopt;
   auto str = [&](const char* key) -> std::optional<std::string> {
     auto it = doc.find(key);
     if (it == doc.end() || !it->is_string()) return std::nullopt;

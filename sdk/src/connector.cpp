@@ -85,9 +85,12 @@ NatsOptions resolve(NatsOptions o, const std::string& connector_name) {
   return o;
 }
 
-void check_subject(const std::string& subject) {
+void check_subject(const std::string& subject, const std::string& prefix) {
   if (auto why = sidechannel::subject_problem(subject); !why.empty())
     throw Error(ErrorCode::InvalidArgument, "subject '" + subject + "' " + why);
+  if (subject.rfind(prefix + ".", 0) == 0)
+    throw Error(ErrorCode::InvalidArgument,
+                "subject '" + subject + "' is in ferry's own namespace '" + prefix + ".'");
 }
 
 }  // namespace
@@ -163,6 +166,7 @@ void Core::start() {
       if (!nats_options.servers.empty()) {
         nats = std::make_unique<sidechannel::NatsChannel>(*loop, nats_options, identity.id);
         has_nats = true;
+        nats_prefix = nats_options.prefix;
         // Peers reach us where the cluster reaches us: the NATS socket's own interface.
         if (bind.empty()) bind = nats->local_ip();
         nats->subscribe(nats->own_subject("notify." + identity.id), {},
@@ -205,8 +209,9 @@ void Core::shutdown() noexcept {
                  Error(ErrorCode::Cancelled, "the connector was closed"));
     for (auto& t : transports) t->close();
     transports.clear();
-    // Last: the cancelled operations' completion notices are still sent.
-    nats.reset();
+    // Last, and without blocking the loop: the cancelled operations' completion notices
+    // still leave, then the connection closes.
+    if (nats) sidechannel::NatsChannel::close(std::move(nats));
   });
 }
 
@@ -277,12 +282,18 @@ std::shared_ptr<OperationState> Core::create_passive(OperationKind kind,
   if (!subject.empty()) {
     auto registered = std::make_shared<std::promise<void>>();
     op->served = registered->get_future().share();
+    std::weak_ptr<OperationState> weak = op;
     op->serving = nats->subscribe(
         subject, {},
         [this, served](const sidechannel::Message& msg) {
           if (!msg.reply.empty()) nats->publish(msg.reply, served);
         },
-        [registered] { registered->set_value(); });
+        [registered, weak](const std::string& error) {
+          // A subject that cannot be served fails the operation: nobody could ever pair.
+          if (auto o = weak.lock(); o && !error.empty())
+            o->finish(OperationStatus::errored, Error(ErrorCode::SideChannel, error));
+          registered->set_value();
+        });
   }
   op->set_status(OperationStatus::initialized);
   op->arm(timeout);
@@ -336,17 +347,20 @@ void Core::on_notice(const sidechannel::Message& message) {
   auto op = it->second.lock();
   transport::Token presented{};
   transport::Token expected{};
-  if (!op || !op->passive || !transport::token_from_hex(notice->token, presented) ||
+  // Only failures count: every transport reports a completed transfer itself (TCP's DONE),
+  // and a "complete" from the side channel could end an operation nobody wrote. Only for
+  // operations served at a subject, whose peers may never reach them by a transport.
+  if (!notice->error) return;
+  if (!op || !op->passive || op->serving == 0 ||
+      !transport::token_from_hex(notice->token, presented) ||
       !transport::token_from_hex(op->metadata.token, expected) ||
       !transport::tokens_equal(presented, expected))
     return;
-  // Whoever holds the metadata may send a notice; once a peer has claimed the operation,
-  // only that peer's notices count.
-  if (!op->claimant.empty() && op->claimant != notice->from_id) return;
-  if (!notice->error) {
-    op->finish(OperationStatus::complete, std::nullopt);
+  // Whoever holds the metadata may send a notice while nobody has claimed the operation;
+  // once a peer has, only that peer's (a claimant that gave no id: nobody's).
+  if (op->status() != OperationStatus::initialized &&
+      (op->claimant.empty() || op->claimant != notice->from_id))
     return;
-  }
   op->finish(OperationStatus::errored,
              Error(notice->error->code(),
                    "peer '" + notice->from + "' ended the transfer: " + notice->error->message()));
@@ -376,7 +390,7 @@ std::shared_ptr<detail::OperationState> create(detail::Core& core, OperationKind
   detail::check_local(local);
   auto timeout = core.effective_timeout(options);
   if (!options.subject.empty()) {
-    detail::check_subject(options.subject);
+    detail::check_subject(options.subject, core.nats_prefix);
     if (!core.has_nats)
       throw Error(ErrorCode::InvalidState,
                   "serving at a subject needs the NATS side channel (NatsOptions::servers or "
@@ -384,17 +398,19 @@ std::shared_ptr<detail::OperationState> create(detail::Core& core, OperationKind
   }
   auto op = core.loop->call(
       [&] { return core.create_passive(kind, std::move(local), timeout, options.subject); });
-  // Off the loop, return only once the server has the subscription: a peer told right after
-  // this call finds the subject served. (On the loop thread this cannot wait; a peer that
-  // asks too early is answered "no responders" and asks again at once.)
-  if (op->served.valid() && !core.loop->in_loop_thread()) op->served.wait();
+  // Off the loop, return only once the server has the subscription (or request_timeout has
+  // passed): a peer told right after this call finds the subject served. (On the loop thread
+  // this cannot wait; a peer that asks too early is answered "no responders" and asks again
+  // at once.)
+  if (op->served.valid() && !core.loop->in_loop_thread())
+    op->served.wait_for(core.options.nats.request_timeout);
   return op;
 }
 
 std::shared_ptr<detail::OperationState> begin(detail::Core& core, OperationKind kind,
                                               const Subject& subject, std::vector<Descriptor> local,
                                               const OperationOptions& options) {
-  detail::check_subject(subject.name);
+  detail::check_subject(subject.name, core.nats_prefix);
   if (!core.has_nats)
     throw Error(ErrorCode::InvalidState,
                 "pairing by subject needs the NATS side channel (NatsOptions::servers or "

@@ -59,7 +59,8 @@ class Core : public std::enable_shared_from_this<Core> {
   std::unique_ptr<sidechannel::EventLoop> loop;
   /// Null without a side channel; set in start(), closed in shutdown().
   std::unique_ptr<sidechannel::NatsChannel> nats;
-  bool has_nats = false;  ///< fixed after start(); readable from any thread
+  bool has_nats = false;    ///< fixed after start(); readable from any thread
+  std::string nats_prefix;  ///< fixed after start()
 
   // Loop thread only.
   std::vector<std::unique_ptr<transport::Transport>> transports;
@@ -114,7 +115,7 @@ class OperationState final : public transport::ExposureObserver,
 
   /// Loop thread: pairing by subject, on the active side: ask for the metadata (again).
   void request_metadata();
-  void on_metadata_reply(const sidechannel::Message& reply);
+  void on_metadata_reply(std::uint64_t request, const sidechannel::Message& reply);
 
   // transport::ExposureObserver
   void on_claimed(const std::string& method, const std::string& peer,
@@ -140,7 +141,7 @@ class OperationState final : public transport::ExposureObserver,
   std::uint64_t serving = 0;
   /// Active, paired by subject: where to ask, the request under way, the retry timer.
   std::string subject;
-  std::uint64_t request = 0;
+  std::vector<std::uint64_t> requests;  ///< every request still unanswered: any answer counts
   uv_timer_t* retry = nullptr;
   std::chrono::milliseconds backoff{0};
   /// Passive, paired by subject: set once the NATS server has the subscription.

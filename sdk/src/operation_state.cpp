@@ -183,9 +183,12 @@ void OperationState::request_metadata() {
   auto& nats = *core->nats;
   sidechannel::MetadataRequest ask{kind, core->identity.name};
   std::weak_ptr<OperationState> weak = weak_from_this();
-  request = nats.request(subject, sidechannel::encode(ask), [weak](const sidechannel::Message& m) {
-    if (auto self = weak.lock()) self->on_metadata_reply(m);
-  });
+  auto request_id = std::make_shared<std::uint64_t>(0);
+  *request_id = nats.request(subject, sidechannel::encode(ask),
+                             [weak, request_id](const sidechannel::Message& m) {
+                               if (auto self = weak.lock()) self->on_metadata_reply(*request_id, m);
+                             });
+  requests.push_back(*request_id);
   // An answer lost in a reconnect is asked for again after request_timeout.
   if (retry == nullptr) {
     retry = new uv_timer_t{};
@@ -200,15 +203,13 @@ void OperationState::on_retry(uv_timer_t* timer) {
   auto* self = static_cast<OperationState*>(timer->data);
   if (self == nullptr || is_final(self->status())) return;
   auto keep = self->shared_from_this();
-  if (self->core->nats) {
-    self->core->nats->cancel_request(self->request);
-    self->request_metadata();
-  }
+  // Earlier requests stay open: an answer that is merely late still counts.
+  if (self->core->nats) self->request_metadata();
 }
 
-void OperationState::on_metadata_reply(const sidechannel::Message& reply) {
+void OperationState::on_metadata_reply(std::uint64_t request, const sidechannel::Message& reply) {
+  std::erase(requests, request);
   if (is_final(status()) || remote) return;
-  request = 0;
   if (reply.no_responders) {
     // Nobody serves the subject yet. The first time, ask again at once (the server may only
     // just be getting the subscription); then after 1, 2, 4 ... ms, up to a quarter second.
@@ -219,6 +220,7 @@ void OperationState::on_metadata_reply(const sidechannel::Message& reply) {
     return;
   }
   uv_timer_stop(retry);
+  stop_pairing();  // the first answer wins; the others are dropped
   auto keep = shared_from_this();
   try {
     RdmaMetadata m = RdmaMetadata::from_json(reply.data);
@@ -233,8 +235,9 @@ void OperationState::on_metadata_reply(const sidechannel::Message& reply) {
 }
 
 void OperationState::stop_pairing() {
-  if (request != 0 && core->nats) core->nats->cancel_request(request);
-  request = 0;
+  if (core->nats)
+    for (std::uint64_t r : requests) core->nats->cancel_request(r);
+  requests.clear();
   if (retry != nullptr) {
     uv_timer_stop(retry);
     retry->data = nullptr;

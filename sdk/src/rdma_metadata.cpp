@@ -82,7 +82,8 @@ void RdmaMetadata::validate() const {
   if (!is_lower_hex(notification_key, 16))
     invalid("notification_key", "must be 16 lowercase hex digits");
   if (owner.name.empty()) invalid("owner.name", "must not be empty");
-  if (owner.id.empty()) invalid("owner.id", "must not be empty");
+  // The id names the owner's notice subject: nothing but hex may reach a NATS subject.
+  if (!is_lower_hex(owner.id, 16)) invalid("owner.id", "must be 16 lowercase hex digits");
   if (endpoints.empty()) invalid("endpoints", "must list at least one endpoint");
   if (endpoints.size() > kMaxEndpoints)
     invalid("endpoints", "more than " + std::to_string(kMaxEndpoints) + " endpoints");

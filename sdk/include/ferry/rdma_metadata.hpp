@@ -53,6 +53,7 @@ struct RdmaMetadata {
   OperationKind operation_kind = OperationKind::unspecified;
   /// The operation's id at its owner: 16 lowercase hex digits.
   std::string notification_key;
+  /// The owner; `owner.id` is its connector id, 16 lowercase hex digits.
   PeerIdentity owner;
   std::vector<Endpoint> endpoints;
   std::vector<RemoteDescriptor> descriptors;
