@@ -125,7 +125,57 @@ struct Nats {
   void reply(natsMsg* msg, const std::string& data) {
     natsConnection_Publish(nc, natsMsg_GetReply(msg), data.data(), static_cast<int>(data.size()));
   }
+  // Releases every blocked request (they fail); for stopping.
+  void close() { natsConnection_Close(nc); }
 };
+
+// Where a decode request stands: the writable ended, or the prefill worker answered. Set by
+// ferry's completion callback and by a NATS callback; the worker thread waits for the first.
+struct Outcome {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool writable_ended = false;
+  std::optional<std::string> answer;
+  template <class Pred>
+  bool wait(std::chrono::milliseconds limit, Pred pred) {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, limit, [&] { return pred(*this); });
+  }
+  void set(const std::function<void(Outcome&)>& change) {
+    {
+      std::lock_guard lock(mu);
+      change(*this);
+    }
+    cv.notify_all();
+  }
+};
+
+// Publishes a request whose answer lands in `out` (on cnats' thread), without blocking.
+// Returns the reply subscription, to destroy once done.
+natsSubscription* ask_async(Nats& nats, const char* subject, const std::string& data,
+                            std::shared_ptr<Outcome> out) {
+  natsInbox* inbox = nullptr;
+  natsInbox_Create(&inbox);
+  auto* holder = new std::shared_ptr<Outcome>(std::move(out));
+  natsSubscription* sub = nullptr;
+  natsConnection_Subscribe(
+      &sub, nats.nc, inbox,
+      [](natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+        auto& o = *static_cast<std::shared_ptr<Outcome>*>(closure);
+        std::string answer(natsMsg_GetData(msg),
+                           static_cast<std::size_t>(natsMsg_GetDataLength(msg)));
+        natsMsg_Destroy(msg);
+        o->set([&](Outcome& x) { x.answer = std::move(answer); });
+      },
+      holder);
+  natsSubscription_SetOnCompleteCB(
+      sub, [](void* c) { delete static_cast<std::shared_ptr<Outcome>*>(c); }, holder);
+  natsSubscription_AutoUnsubscribe(sub, 1);
+  natsConnection_PublishRequest(nats.nc, subject, inbox, data.data(),
+                                static_cast<int>(data.size()));
+  natsInbox_Destroy(inbox);
+  return sub;
+}
 
 // A fixed pool of threads draining a queue: requests are handled concurrently, off cnats'
 // delivery thread.
@@ -223,6 +273,7 @@ class BlockPool {
   // Waits up to `timeout` for `n` free blocks.
   std::optional<std::vector<std::uint32_t>> take(std::uint32_t n,
                                                  std::chrono::milliseconds timeout) {
+    if (n > blocks_) return std::nullopt;  // never for more than the pool holds
     std::unique_lock lock(mu_);
     if (!cv_.wait_for(lock, timeout, [&] { return free_.size() >= n; })) return std::nullopt;
     std::vector<std::uint32_t> out(free_.begin(), free_.begin() + n);
@@ -250,12 +301,25 @@ class BlockPool {
   std::vector<std::uint32_t> free_;
 };
 
+// Blocks lent to one request, given back however the request ends. Declared before the
+// request's writable, so that the writable (which may still hold the blocks) is gone first.
+struct Lease {
+  BlockPool& pool;
+  std::vector<std::uint32_t> blocks;
+  ~Lease() { pool.give_back(blocks); }
+};
+
 int run_decode(const Args& args) {
   const std::string name = args.str("--name", "decode-" + std::to_string(::getpid()));
   disagg::Shape shape;
   shape.layers = args.num("--layers", shape.layers);
   shape.tokens_per_block = args.num("--tokens-per-block", shape.tokens_per_block);
   shape.bytes_per_token = args.num("--bytes-per-token", shape.bytes_per_token);
+  if (shape.layers == 0 || shape.tokens_per_block == 0 || shape.bytes_per_token == 0 ||
+      shape.bytes_per_token % 8 != 0)
+    throw std::runtime_error(
+        "--layers and --tokens-per-block must be positive, "
+        "--bytes-per-token a positive multiple of 8");
   BlockPool pool(shape, args.num("--blocks", 512));
   ferry::Connector connector(connector_options(name));
   Nats nats(name);
@@ -277,16 +341,23 @@ int run_decode(const Args& args) {
       const std::uint32_t tokens = req.at("tokens");
       reply["id"] = id;
       const std::uint32_t n = shape.blocks_for(tokens);
-      auto blocks = pool.take(n, 20s);
-      if (!blocks) throw std::runtime_error("no free KV blocks within 20 s");
+      auto taken = pool.take(n, 20s);
+      if (!taken)
+        throw std::runtime_error("no " + std::to_string(n) + " free KV blocks within 20 s");
+      Lease lease{pool, std::move(*taken)};
       // The request's KV lands in its blocks, layer by layer: one descriptor per layer and
       // block, matched with the prefill worker's contiguous buffer as one byte stream.
       std::vector<ferry::Descriptor> local;
       for (std::uint32_t l = 0; l < shape.layers; ++l)
-        for (std::uint32_t b : *blocks) local.emplace_back(pool.block(l, b), shape.block_bytes());
+        for (std::uint32_t b : lease.blocks)
+          local.emplace_back(pool.block(l, b), shape.block_bytes());
       ferry::OperationOptions o;
       o.subject = "disagg.kv." + name + "." + std::to_string(id);
       auto writable = connector.create_writable(local, o);
+      auto outcome = std::make_shared<Outcome>();
+      writable.on_complete([outcome](ferry::OperationStatus, const ferry::Error*) {
+        outcome->set([](Outcome& x) { x.writable_ended = true; });
+      });
       json ask = {{"id", id},
                   {"prompt", prompt},
                   {"tokens", tokens},
@@ -294,16 +365,23 @@ int run_decode(const Args& args) {
                   {"tokens_per_block", shape.tokens_per_block},
                   {"bytes_per_token", shape.bytes_per_token},
                   {"kv_subject", o.subject}};
-      auto answer = nats.request(kPrefill, ask.dump(), 30s);
-      bool ok = false;
+      natsSubscription* pending = ask_async(nats, kPrefill, ask.dump(), outcome);
+      // Whichever comes first: the KV arrived (or failed: a prefill worker that dies
+      // mid-write fails the writable at once), or the prefill worker answered (perhaps that
+      // it could not).
+      outcome->wait(30s, [](Outcome& x) { return x.writable_ended || x.answer.has_value(); });
       std::string why;
-      if (!answer) {
-        why = "no prefill worker answered";
-        writable.cancel();
-      } else {
-        json pre = json::parse(*answer);
+      auto note_answer = [&] {
+        json pre = json::parse(*outcome->answer);
         reply["prefill"] = pre.value("worker", "?");
         reply["method"] = pre.value("method", "?");
+        if (!pre.value("ok", false))
+          why = "prefill " + pre.value("worker", "?") + ": " + pre.value("error", "failed");
+      };
+      if (outcome->answer) note_answer();
+      if (!why.empty()) writable.cancel();
+      bool ok = false;
+      if (why.empty()) {
         try {
           writable.wait_for_completion();  // its deadline is the connector's default
           ok = true;
@@ -311,16 +389,21 @@ int run_decode(const Args& args) {
           why = e.what();
         }
       }
+      if (ok && !reply.contains("prefill")) {
+        // The bytes are in; the answer (which worker, which method) follows at once.
+        outcome->wait(2s, [](Outcome& x) { return x.answer.has_value(); });
+        if (outcome->answer) note_answer();
+      }
+      natsSubscription_Destroy(pending);
       if (ok) {
         // Every byte, every layer, every block.
         const auto digest = disagg::prompt_digest(prompt);
         for (std::uint32_t l = 0; l < shape.layers && ok; ++l)
           for (std::uint32_t i = 0; i < n && ok; ++i)
-            ok =
-                disagg::check_block(pool.block(l, (*blocks)[i]), shape.block_bytes(), digest, l, i);
+            ok = disagg::check_block(pool.block(l, lease.blocks[i]), shape.block_bytes(), digest, l,
+                                     i);
         if (!ok) why = "the KV cache does not verify";
       }
-      pool.give_back(*blocks);
       reply["ok"] = ok;
       reply["bytes"] = std::uint64_t{shape.layers} * n * shape.block_bytes();
       if (!ok) reply["error"] = why;
@@ -412,6 +495,7 @@ int run_client(const Args& args) {
   }
 
   struct Result {
+    bool sent = false;
     bool ok = false;
     double ms = 0;
     std::uint64_t bytes = 0;
@@ -433,18 +517,24 @@ int run_client(const Args& args) {
                     {"prompt", "request " + std::to_string(i) + ": tell me about ferries"},
                     {"tokens", tokens(rng)}};
         auto t0 = Clock::now();
-        auto answer = nats.request(kGenerate, req.dump(), 60s);
         Result& r = results[i];
+        r.sent = true;
+        auto answer = nats.request(kGenerate, req.dump(), 30s);
         r.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
         if (!answer) {
-          r.error = "no answer from the decode worker";
+          r.error = g_stop ? "stopped" : "no answer from the decode worker";
         } else {
-          json rep = json::parse(*answer);
-          r.ok = rep.value("ok", false);
-          r.bytes = rep.value("bytes", std::uint64_t{0});
-          r.method = rep.value("method", "");
-          r.prefill = rep.value("prefill", "");
-          r.error = rep.value("error", "");
+          try {
+            json rep = json::parse(*answer);
+            r.ok = rep.value("ok", false);
+            r.bytes = rep.value("bytes", std::uint64_t{0});
+            r.method = rep.value("method", "");
+            r.prefill = rep.value("prefill", "");
+            r.error = rep.value("error", "");
+          } catch (const std::exception& e) {
+            r.ok = false;
+            r.error = std::string("a malformed answer: ") + e.what();
+          }
           if (r.ok) moved += r.bytes;
         }
         ++finished;
@@ -461,16 +551,25 @@ int run_client(const Args& args) {
                 finished.load() / secs, tty ? "" : "\n");
     std::fflush(stdout);
   }
+  // Stopped early: requests still waiting for answers fail at once instead of at their
+  // timeout.
+  if (g_stop) nats.close();
   for (auto& th : threads) th.join();
   const double secs = std::chrono::duration<double>(Clock::now() - start).count();
   if (tty) std::printf("\n");
 
-  std::vector<double> lat;
+  std::vector<double> lat, failed_lat;
   std::map<std::string, int> by_prefill, by_method;
   std::uint32_t ok = 0;
+  std::uint32_t sent = 0;
   std::uint64_t bytes = 0;
   for (const auto& r : results) {
-    if (!r.ok) continue;
+    if (!r.sent) continue;
+    ++sent;
+    if (!r.ok) {
+      failed_lat.push_back(r.ms);
+      continue;
+    }
     ++ok;
     bytes += r.bytes;
     lat.push_back(r.ms);
@@ -478,20 +577,24 @@ int run_client(const Args& args) {
     ++by_method[r.method];
   }
   std::printf("\n== ferry disaggregated prefill/decode ==\n");
-  std::printf("requests     %u sent, %u verified, %u failed\n", requests, ok, requests - ok);
+  std::printf("requests     %u sent, %u verified, %u failed%s\n", sent, ok, sent - ok,
+              g_stop ? " (stopped early)" : "");
   std::printf("bytes moved  %.1f MiB of KV cache, every byte verified by the decode worker\n",
               static_cast<double>(bytes) / (1 << 20));
   std::printf("method       ");
   for (auto& [m, n] : by_method) std::printf("%s (%d) ", m.c_str(), n);
   std::printf("\nprefill      ");
   for (auto& [w, n] : by_prefill) std::printf("%s: %d  ", w.c_str(), n);
-  std::printf("\nlatency ms   p50 %.2f  p90 %.2f  p99 %.2f  max %.2f\n", percentile(lat, 50),
-              percentile(lat, 90), percentile(lat, 99), percentile(lat, 100));
+  std::printf("\nlatency ms   p50 %.2f  p90 %.2f  p99 %.2f  max %.2f  (verified requests)\n",
+              percentile(lat, 50), percentile(lat, 90), percentile(lat, 99), percentile(lat, 100));
+  if (!failed_lat.empty())
+    std::printf("failures ms  p50 %.2f  max %.2f  (time until each failed)\n",
+                percentile(failed_lat, 50), percentile(failed_lat, 100));
   std::printf("throughput   %.1f requests/s, %.2f GB/s of KV over %.2f s (concurrency %u)\n",
               ok / secs, static_cast<double>(bytes) / secs / 1e9, secs, concurrency);
   int shown = 0;
   for (std::uint32_t i = 0; i < requests && shown < 5; ++i)
-    if (!results[i].ok) {
+    if (results[i].sent && !results[i].ok) {
       std::printf("failed       request %u: %s\n", i, results[i].error.c_str());
       ++shown;
     }
@@ -502,8 +605,9 @@ int run_client(const Args& args) {
 // all
 
 int run_all(const char* self, const Args& args) {
-  std::vector<std::unique_ptr<disagg::Child>> children;
+  // Destroyed in reverse: the workers stop before the server they talk to.
   std::unique_ptr<disagg::Child> nats_server;
+  std::vector<std::unique_ptr<disagg::Child>> children;
   if (const char* url = std::getenv("FERRY_NATS_URL"); url == nullptr || *url == '\0') {
     auto port = disagg::free_port();
     nats_server = std::make_unique<disagg::Child>(std::vector<std::string>{
@@ -533,7 +637,8 @@ int run_all(const char* self, const Args& args) {
   }
   std::printf("workers      decode-0, %u prefill (queue group \"prefill\")\n", prefills);
   int rc = run_client(args);
-  // Stop the workers first, then the server they talk to.
+  // Stop the workers first (all at once, then wait for each), then the server they talk to.
+  for (auto& c : children) c->terminate();
   for (auto& c : children) c->stop();
   children.clear();
   nats_server.reset();

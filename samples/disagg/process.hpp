@@ -34,9 +34,11 @@ class Child {
     pid_ = fork();
     if (pid_ < 0) throw std::runtime_error("fork");
     if (pid_ == 0) {
-      // Die with the supervisor, even if it is killed outright.
+      // Die with the supervisor, even if it is killed outright; and keep out of its process
+      // group, so that a Ctrl-C reaches the supervisor alone, which stops everyone in order.
       prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (::getppid() != parent) _exit(1);
+      setpgid(0, 0);
       if (watch_ready) dup2(fds[1], STDOUT_FILENO);
       execv(args[0], args.data());
       _exit(127);
@@ -66,6 +68,11 @@ class Child {
       seen.append(buf, static_cast<std::size_t>(n));
     }
     return true;
+  }
+
+  /// Asks it to stop (SIGTERM) without waiting; stop() waits.
+  void terminate() {
+    if (pid_ > 0) ::kill(pid_, SIGTERM);
   }
 
   /// SIGTERM, up to 5 s for it to exit, then SIGKILL; always reaps.

@@ -51,6 +51,11 @@ void OperationState::on_deadline(uv_timer_t* timer) {
 
 void OperationState::finish(OperationStatus final_status, std::optional<Error> error) {
   if (is_final(status())) return;
+  // Transports call in through a plain observer pointer. Once the final status is published
+  // below, a thread waiting for it may drop the last handle at once: hold the state until
+  // this call is done. (Before that, a live operation always has an owner: its handle, or
+  // the cancel() under way on this loop.)
+  auto keep = shared_from_this();
   // First make the memory unreachable: revoke the token / stop the transfer, telling the
   // peer why. Only then publish the final status, so that a waiter woken by it may reuse
   // the memory at once.
@@ -83,7 +88,7 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
   }
   cv_.notify_all();
   for (auto& cb : callbacks) {
-    core->loop->defer([self = shared_from_this(), cb = std::move(cb)] {
+    core->loop->defer([self = keep, cb = std::move(cb)] {
       std::optional<Error> e = self->error();
       cb(self->status(), e ? &*e : nullptr);
     });

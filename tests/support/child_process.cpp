@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -35,10 +36,14 @@ ChildProcess::ChildProcess(const std::vector<std::string>& argv,
   std::vector<char*> envp;
   for (auto& e : merged) envp.push_back(e.data());
   envp.push_back(nullptr);
+  const pid_t parent = ::getpid();
   pid_ = fork();
   if (pid_ < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
   if (pid_ == 0) {
     // Only async-signal-safe calls between fork and exec: the parent has threads.
+    // A test killed by ctest's timeout leaves no process behind: the child dies with it.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) _exit(1);
     dup2(to_child[0], STDIN_FILENO);
     dup2(from_child[1], STDOUT_FILENO);
     execve(args[0], args.data(), envp.data());

@@ -10,7 +10,8 @@ namespace ferry::test {
 
 /// A child process (fork + exec) owned by this object: its stdin and stdout are pipes to us,
 /// its stderr is ours. The destructor kills it (SIGKILL) if it still runs and reaps it, so a
-/// failing test never leaves a process behind.
+/// failing test never leaves a process behind; and it dies with this process (PDEATHSIG),
+/// should the test itself be killed.
 class ChildProcess {
  public:
   /// `env`: "NAME=value" entries added to (or replacing those of) this process's environment.
