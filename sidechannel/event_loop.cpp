@@ -1,4 +1,5 @@
 #include "sidechannel/event_loop.hpp"
+#include "sidechannel/uv_handle.hpp"
 
 #include <cstdio>
 #include <exception>
@@ -36,13 +37,6 @@ void run_guarded(const EventLoop::Task& task) {
   } catch (...) {
     std::fprintf(stderr, "ferry: loop task failed\n");
   }
-}
-
-template <class Handle>
-void close_handle(Handle*& handle) {
-  uv_close(reinterpret_cast<uv_handle_t*>(handle),
-           [](uv_handle_t* closed) { delete reinterpret_cast<Handle*>(closed); });
-  handle = nullptr;
 }
 
 }  // namespace
@@ -162,8 +156,10 @@ void EventLoop::close(Task teardown) {
       dropped.swap(s->queue);
     }
     dropped.clear();  // unblocks call()ers with InvalidState
-    close_handle(s->async);
-    close_handle(s->idle);
+    close_and_delete(s->async);
+    close_and_delete(s->idle);
+    s->async = nullptr;
+    s->idle = nullptr;
     s->idle_active = false;
     // The thread may end and its id be reused by another: it is nobody's loop thread now.
     s->loop_thread.store(std::thread::id{});

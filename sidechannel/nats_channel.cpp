@@ -1,4 +1,5 @@
 #include "sidechannel/nats_channel.hpp"
+#include "sidechannel/uv_handle.hpp"
 
 #include <nats/nats.h>
 #include <sys/random.h>
@@ -234,13 +235,6 @@ void on_error(natsConnection*, natsSubscription*, natsStatus err, void* closure)
   post_event(nullptr, closure, SideChannelEvent::error, natsStatus_GetText(err));
 }
 
-template <class Handle>
-void close_handle(Handle* h) {
-  if (h == nullptr) return;
-  uv_close(reinterpret_cast<uv_handle_t*>(h),
-           [](uv_handle_t* closed) { delete reinterpret_cast<Handle*>(closed); });
-}
-
 }  // namespace
 
 NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string client_id)
@@ -353,8 +347,8 @@ NatsChannel::~NatsChannel() {
   natsConnection_Close(nc);
   for (auto& [id, sub] : outbox_->subs) natsSubscription_Destroy(sub);
   natsConnection_Destroy(nc);
-  close_handle(closer_);
-  close_handle(finisher_);
+  close_and_delete(closer_);
+  close_and_delete(finisher_);
 }
 
 void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {

@@ -2,9 +2,11 @@
 
 #include <uv.h>
 
-namespace ferry::transport {
+namespace ferry::sidechannel {
 
-/// Closes a heap-allocated libuv handle and deletes it once libuv is done with it.
+/// Closes a heap-allocated libuv handle and deletes it once libuv is done with it. For every
+/// layer that owns handles on a connector's loop (the loop itself, the side channel, the
+/// transports, the operations).
 template <class Handle>
 void close_and_delete(Handle* handle) {
   if (handle == nullptr) return;
@@ -13,4 +15,4 @@ void close_and_delete(Handle* handle) {
   uv_close(h, [](uv_handle_t* closed) { delete reinterpret_cast<Handle*>(closed); });
 }
 
-}  // namespace ferry::transport
+}  // namespace ferry::sidechannel
