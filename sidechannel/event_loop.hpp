@@ -32,7 +32,6 @@ class EventLoop {
   EventLoop& operator=(const EventLoop&) = delete;
 
   uv_loop_t* uv() const noexcept { return loop_; }
-  bool embedded() const noexcept { return embedded_; }
   bool in_loop_thread() const noexcept;
 
   /// Queues `task` for the loop. Any thread. False (and `task` dropped) once closed.

@@ -72,7 +72,6 @@ struct NatsChannel::State {
   std::unordered_map<std::uint64_t, MessageHandler> requests;
   std::unordered_map<std::uint64_t, Registered> confirms;
   std::uint64_t next_sub = 1;
-  bool connected = true;
 
   // Written by cnats' callback thread, read by the loop.
   std::atomic<std::int64_t> max_payload{0};
@@ -205,12 +204,7 @@ void post_event(natsConnection* nc, void* closure, SideChannelEvent event, std::
   c->poster.post([state = c->state, event, detail = std::move(detail), max_payload] {
     auto s = state.lock();
     if (!s) return;
-    if (event == SideChannelEvent::disconnected || event == SideChannelEvent::closed)
-      s->connected = false;
-    if (event == SideChannelEvent::reconnected) {
-      s->connected = true;
-      if (max_payload > 0) s->max_payload = max_payload;
-    }
+    if (event == SideChannelEvent::reconnected && max_payload > 0) s->max_payload = max_payload;
     if (s->on_event) s->on_event(event, detail);
   });
 }
@@ -308,7 +302,6 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
     throw Error(ErrorCode::SideChannel, "cannot connect to NATS at " + where + ": " + why);
   }
   outbox_->nc = nc;
-  url_ = current_url(nc);
   closer_ = new uv_async_t{};
   uv_async_init(loop.uv(), closer_, [](uv_async_t* h) {
     auto* self = static_cast<NatsChannel*>(h->data);
@@ -373,8 +366,6 @@ std::string NatsChannel::own_subject(std::string_view suffix) const {
 }
 
 std::int64_t NatsChannel::max_payload() const noexcept { return state_->max_payload; }
-
-bool NatsChannel::connected() const noexcept { return state_->connected; }
 
 std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::string& queue,
                                      MessageHandler handler, Registered registered) {

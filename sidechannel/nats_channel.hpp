@@ -82,9 +82,6 @@ class NatsChannel {
   const std::string& local_ip() const noexcept { return local_ip_; }
   /// The connected server's limit on a message's payload, in bytes.
   std::int64_t max_payload() const noexcept;
-  /// "nats://127.0.0.1:4222"
-  const std::string& connected_url() const noexcept { return url_; }
-  bool connected() const noexcept;
 
   /// Loop-side state, shared weakly with cnats' callbacks (defined in the .cpp).
   struct State;
@@ -96,7 +93,6 @@ class NatsChannel {
   std::shared_ptr<State> state_;
   std::unique_ptr<Outbox> outbox_;
   std::string local_ip_;
-  std::string url_;
   std::uint64_t inbox_sub_ = 0;
   // The two-phase close: the worker's final flush wakes closer_; finisher_ runs a loop turn
   // later, when cnats' adapter has processed what that flush queued.

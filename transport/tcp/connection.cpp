@@ -187,8 +187,6 @@ void Connection::finish_connect() {
   }
   connecting_ = false;
   watchdog();
-  handler_.on_connected(*this);
-  if (closed_) return;
   update_poll();
   flush();
 }

@@ -41,8 +41,6 @@ class Connection {
                             bool intact) = 0;
     /// A frame sent with a non-zero tag has left in full (its memory is no longer needed).
     virtual void on_sent(Connection& conn, std::uint64_t tag) = 0;
-    /// The client's connect() finished.
-    virtual void on_connected(Connection& conn) = 0;
     /// The connection is closed; called once, possibly from inside another handler call.
     /// The handler must not destroy the connection before that call has returned.
     virtual void on_closed(Connection& conn, const std::string& reason) = 0;

@@ -267,8 +267,6 @@ void TcpTransport::on_sent(Connection& conn, std::uint64_t tag) {
   if (--it->second.frames_queued == 0 && it->second.done_pending) finish_exposure(tag, {});
 }
 
-void TcpTransport::on_connected(Connection&) {}
-
 void TcpTransport::on_closed(Connection& conn, const std::string& reason) {
   const std::string who = conn.describe_peer();
   if (conn.role() == Connection::Role::client) {
@@ -599,7 +597,7 @@ void TcpTransport::pump(TcpTransfer& t) {
   }
 }
 
-void TcpTransport::send_done(Connection& conn, const TcpTransfer& t, const Error* error) {
+void TcpTransport::send_done(Connection& conn, TcpTransfer& t, const Error* error) {
   std::uint64_t req = next_req_++;
   FrameHeader h;
   h.type = FrameType::done;
@@ -615,7 +613,7 @@ void TcpTransport::send_done(Connection& conn, const TcpTransfer& t, const Error
   // Only a successful write waits for the answer; the rest are notices.
   bool awaited = error == nullptr && t.spec.access == Access::write;
   add_pending(req, Pending{awaited ? t.id : 0, PendingKind::done, nullptr, 0, conn.id()});
-  if (awaited) const_cast<TcpTransfer&>(t).reqs.insert(req);
+  if (awaited) t.reqs.insert(req);
   // A write's DONE is tagged with the transfer: if the transfer is cancelled before it
   // leaves, it is dropped with the chunks ahead of it, and never claims success.
   conn.send(h, message, nullptr, awaited ? t.id : 0);

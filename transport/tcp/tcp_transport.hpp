@@ -75,7 +75,6 @@ class TcpTransport final : public Transport, private Connection::Handler {
   Connection::Sink on_frame(Connection& conn, const FrameHeader& h, std::string message) override;
   void on_payload(Connection& conn, const FrameHeader& h, std::uint64_t tag, bool intact) override;
   void on_sent(Connection& conn, std::uint64_t tag) override;
-  void on_connected(Connection& conn) override;
   void on_closed(Connection& conn, const std::string& reason) override;
 
   // Server side.
@@ -97,7 +96,7 @@ class TcpTransport final : public Transport, private Connection::Handler {
   void finish_transfer(TcpTransfer& t, std::optional<Error> error);
   void cancel_transfer(TcpTransfer& t, const Error& reason);
   void forget_transfer(TcpTransfer& t);
-  void send_done(Connection& conn, const TcpTransfer& t, const Error* error);
+  void send_done(Connection& conn, TcpTransfer& t, const Error* error);
 
   // Requests awaiting an answer; the connection's watchdog counts them.
   void add_pending(std::uint64_t req, const Pending& p);
