@@ -59,7 +59,7 @@
 
 #include <ferry/ferry.hpp>
 
-#include "sidechannel/event_loop.hpp"
+#include "loop/event_loop.hpp"
 #include "sidechannel/nats_channel.hpp"
 
 namespace {
@@ -311,7 +311,7 @@ struct ChannelSide {
   ChannelSide(const ChannelSide&) = delete;
   ChannelSide& operator=(const ChannelSide&) = delete;
 
-  ferry::sidechannel::EventLoop loop;
+  ferry::loop::EventLoop loop;
   std::unique_ptr<ferry::sidechannel::NatsChannel> channel;
 };
 
@@ -433,7 +433,7 @@ void FerryReadExplicitAhead(benchmark::State& state) { ferry_read(state, false, 
 // that wakes the posting thread (promise), i.e. two hops.
 
 void EventLoopPostRoundTrip(benchmark::State& state) {
-  ferry::sidechannel::EventLoop loop;
+  ferry::loop::EventLoop loop;
   Samples samples(state);
   for (auto _ : state) {
     const auto t0 = Clock::now();

@@ -1,5 +1,5 @@
 #include "sidechannel/nats_channel.hpp"
-#include "sidechannel/uv_handle.hpp"
+#include "loop/uv_handle.hpp"
 
 #include <nats/nats.h>
 #include <sys/random.h>
@@ -17,6 +17,8 @@
 #include <nats/adapters/libuv.h>
 
 namespace ferry::sidechannel {
+
+using loop::close_and_delete;
 
 std::string subject_problem(std::string_view subject) {
   if (subject.empty()) return "is empty";

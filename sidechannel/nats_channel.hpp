@@ -9,9 +9,11 @@
 
 #include <ferry/connector.hpp>
 
-#include "sidechannel/event_loop.hpp"
+#include "loop/event_loop.hpp"
 
 namespace ferry::sidechannel {
+
+using loop::EventLoop;
 
 /// A message as the loop sees it (copied out of cnats).
 struct Message {

@@ -159,7 +159,7 @@ Core::Core(ConnectorOptions opts) : options(std::move(opts)), next_id_(random_u6
 
 void Core::start() {
   NatsOptions nats_options = resolve(options.nats, identity.name);
-  loop = std::make_unique<sidechannel::EventLoop>(options.loop);
+  loop = std::make_unique<loop::EventLoop>(options.loop);
   try {
     loop->call([&] {
       std::string bind = options.tcp.bind_address;

@@ -14,7 +14,7 @@
 
 #include <ferry/connector.hpp>
 
-#include "sidechannel/event_loop.hpp"
+#include "loop/event_loop.hpp"
 #include "sidechannel/nats_channel.hpp"
 #include "transport/transport.hpp"
 
@@ -56,7 +56,7 @@ class Core : public std::enable_shared_from_this<Core> {
   const ConnectorOptions options;
   PeerIdentity identity;
   std::vector<Endpoint> endpoints;
-  std::unique_ptr<sidechannel::EventLoop> loop;
+  std::unique_ptr<loop::EventLoop> loop;
   /// Null without a side channel; set in start(), closed in shutdown().
   std::unique_ptr<sidechannel::NatsChannel> nats;
   bool has_nats = false;    ///< fixed after start(); readable from any thread

@@ -3,7 +3,7 @@
 
 #include "sdk/src/core.hpp"
 #include "sidechannel/pairing.hpp"
-#include "sidechannel/uv_handle.hpp"
+#include "loop/uv_handle.hpp"
 
 namespace ferry::detail {
 
@@ -74,7 +74,7 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
   if (deadline_ != nullptr) {
     uv_timer_stop(deadline_);
     deadline_->data = nullptr;
-    sidechannel::close_and_delete(deadline_);
+    loop::close_and_delete(deadline_);
     deadline_ = nullptr;
   }
   core->live.erase(id);
@@ -246,7 +246,7 @@ void OperationState::stop_pairing() {
   if (retry != nullptr) {
     uv_timer_stop(retry);
     retry->data = nullptr;
-    sidechannel::close_and_delete(retry);
+    loop::close_and_delete(retry);
     retry = nullptr;
   }
 }

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "sidechannel/uv_handle.hpp"
+#include "loop/uv_handle.hpp"
 #include "transport/tcp/socket.hpp"
 
 namespace ferry::transport::tcp {
@@ -71,7 +71,7 @@ void Connection::close_socket() {
     // right after is safe even if its number is reused at once.
     uv_poll_stop(poll_);
     poll_->data = nullptr;
-    sidechannel::close_and_delete(poll_);
+    loop::close_and_delete(poll_);
     poll_ = nullptr;
     ::close(fd_);
     fd_ = -1;
@@ -79,7 +79,7 @@ void Connection::close_socket() {
   if (timer_ != nullptr) {
     uv_timer_stop(timer_);
     timer_->data = nullptr;
-    sidechannel::close_and_delete(timer_);
+    loop::close_and_delete(timer_);
     timer_ = nullptr;
   }
 }

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 
-#include "sidechannel/uv_handle.hpp"
+#include "loop/uv_handle.hpp"
 
 namespace ferry::transport::tcp {
 
@@ -122,12 +122,12 @@ void TcpTransport::close() {
   life_.reset();
   if (listen_poll_ != nullptr) {
     uv_poll_stop(listen_poll_);
-    sidechannel::close_and_delete(listen_poll_);
+    loop::close_and_delete(listen_poll_);
     listen_poll_ = nullptr;
     ::close(listen_fd_);
     listen_fd_ = -1;
     uv_timer_stop(listen_retry_);
-    sidechannel::close_and_delete(listen_retry_);
+    loop::close_and_delete(listen_retry_);
     listen_retry_ = nullptr;
   }
   for (auto& [id, t] : transfers_) {

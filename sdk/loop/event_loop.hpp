@@ -13,7 +13,7 @@
 
 #include <ferry/error.hpp>
 
-namespace ferry::sidechannel {
+namespace ferry::loop {
 
 /// One libuv loop: ferry's own thread, or a caller's loop (embedded mode). Every state change
 /// of a connector happens on it; other threads reach it through post() and call().
@@ -54,8 +54,11 @@ class EventLoop {
   };
   Poster poster() const { return Poster(shared_); }
 
-  /// Loop thread only: runs `task` after the current callback returns, within the same turn
-  /// of the loop. Used so that user callbacks never run inside ferry's own I/O handling.
+  /// Loop thread only: runs `task` after the current callback returns, in the same turn of the
+  /// loop: deferred work runs in the loop's check phase, right after the I/O callbacks of that
+  /// turn (and the loop does not block in between), and work deferred by deferred work runs
+  /// in the same check phase. Used so that user callbacks never run inside ferry's own I/O
+  /// handling, at no cost in latency.
   void defer(Task task);
 
   /// Runs `fn` on the loop and returns its result (or rethrows its exception): inline on the
@@ -82,7 +85,8 @@ class EventLoop {
 
  private:
   static void on_async(uv_async_t* handle);
-  static void on_idle(uv_idle_t* handle);
+  static void on_check(uv_check_t* handle);
+  static void run_deferred(Shared& s);
   static Error closed_error();
 
   std::shared_ptr<Shared> shared_;
@@ -91,4 +95,4 @@ class EventLoop {
   std::thread thread_;
 };
 
-}  // namespace ferry::sidechannel
+}  // namespace ferry::loop

@@ -11,7 +11,7 @@
 
 #include <ferry/ferry.hpp>
 
-#include "sidechannel/event_loop.hpp"
+#include "loop/event_loop.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
 
@@ -21,7 +21,7 @@ namespace {
 using namespace std::chrono_literals;
 
 TEST(EventLoop, CallRunsOnTheLoopThreadAndReturnsOrRethrows) {
-  sidechannel::EventLoop loop;
+  loop::EventLoop loop;
   std::thread::id here = std::this_thread::get_id();
   std::thread::id there = loop.call([] { return std::this_thread::get_id(); });
   EXPECT_NE(there, here);
@@ -39,7 +39,7 @@ TEST(EventLoop, CallRunsOnTheLoopThreadAndReturnsOrRethrows) {
 }
 
 TEST(EventLoop, DeferredTasksRunAfterTheCurrentOneInOrder) {
-  sidechannel::EventLoop loop;
+  loop::EventLoop loop;
   std::vector<int> order;
   loop.call([&] {
     loop.defer([&] { order.push_back(2); });
@@ -49,6 +49,60 @@ TEST(EventLoop, DeferredTasksRunAfterTheCurrentOneInOrder) {
   loop.call([] {});  // a full turn later
   loop.call([] {});
   EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+}
+
+// Deferred work runs in the turn of the event that deferred it, and work it defers in turn
+// runs in that same turn too: a completion never waits a loop iteration per step.
+TEST(EventLoop, DeferredWorkRunsInTheSameTurnAsTheEventThatDeferredIt) {
+  uv_loop_t uv;
+  ASSERT_EQ(uv_loop_init(&uv), 0);
+  int turns = 0;
+  uv_prepare_t prepare;
+  uv_prepare_init(&uv, &prepare);
+  prepare.data = &turns;
+  uv_prepare_start(&prepare, [](uv_prepare_t* p) { ++*static_cast<int*>(p->data); });
+  uv_unref(reinterpret_cast<uv_handle_t*>(&prepare));
+  {
+    loop::EventLoop loop(&uv);
+    int at_event = -1, at_first = -1, at_second = -1, at_timer_first = -1, at_timer = -1;
+    // From an I/O callback (the loop's async handle runs in the poll phase).
+    loop.post([&] {
+      at_event = turns;
+      loop.defer([&] {
+        at_first = turns;
+        loop.defer([&] { at_second = turns; });
+      });
+    });
+    // From a timer (before the poll phase): the loop must not block before running it.
+    uv_timer_t timer;
+    uv_timer_init(&uv, &timer);
+    struct Ctx {
+      loop::EventLoop* loop;
+      int* turns;
+      int* at_timer;
+      int* at_timer_first;
+    } ctx{&loop, &turns, &at_timer, &at_timer_first};
+    timer.data = &ctx;
+    uv_timer_start(
+        &timer,
+        [](uv_timer_t* t) {
+          auto* c = static_cast<Ctx*>(t->data);
+          *c->at_timer = *c->turns;
+          c->loop->defer([c] { *c->at_timer_first = *c->turns; });
+        },
+        5, 0);
+    for (int i = 0; i < 200 && (at_second < 0 || at_timer_first < 0); ++i) uv_run(&uv, UV_RUN_ONCE);
+    EXPECT_GE(at_event, 0);
+    EXPECT_EQ(at_first, at_event);
+    EXPECT_EQ(at_second, at_event);
+    EXPECT_GE(at_timer, 0);
+    EXPECT_LE(at_timer_first, at_timer + 1);  // prepare counts before this turn's poll
+    uv_close(reinterpret_cast<uv_handle_t*>(&timer), nullptr);
+    loop.close(nullptr);
+  }
+  uv_close(reinterpret_cast<uv_handle_t*>(&prepare), nullptr);
+  uv_run(&uv, UV_RUN_DEFAULT);
+  EXPECT_EQ(uv_loop_close(&uv), 0);
 }
 
 TEST(Threading, CompletionCallbacksRunOnTheLoopThread) {

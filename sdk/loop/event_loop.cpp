@@ -1,11 +1,12 @@
-#include "sidechannel/event_loop.hpp"
-#include "sidechannel/uv_handle.hpp"
+#include "loop/event_loop.hpp"
+
+#include "loop/uv_handle.hpp"
 
 #include <cstdio>
 #include <exception>
 #include <utility>
 
-namespace ferry::sidechannel {
+namespace ferry::loop {
 
 // State shared between the EventLoop object and, in owned mode, its thread: the thread
 // keeps it alive so that a connector destroyed from its own loop thread (where it cannot
@@ -14,7 +15,8 @@ struct EventLoop::Shared {
   uv_loop_t own_loop{};
   uv_loop_t* loop = nullptr;
   uv_async_t* async = nullptr;
-  uv_idle_t* idle = nullptr;
+  uv_idle_t* idle = nullptr;    // active while work is deferred: the loop must not block
+  uv_check_t* check = nullptr;  // runs deferred work right after the turn's I/O
   std::atomic<std::thread::id> loop_thread{};
 
   std::mutex mu;
@@ -23,7 +25,7 @@ struct EventLoop::Shared {
   bool closed = false;      // guarded by mu; once set, async must not be touched
 
   std::vector<Task> deferred;  // loop thread only
-  bool idle_active = false;    // loop thread only
+  bool armed = false;          // loop thread only: idle and check started
 };
 
 namespace {
@@ -59,6 +61,9 @@ EventLoop::EventLoop(uv_loop_t* external) : shared_(std::make_shared<Shared>()) 
   s.idle = new uv_idle_t{};
   uv_idle_init(s.loop, s.idle);
   s.idle->data = &s;
+  s.check = new uv_check_t{};
+  uv_check_init(s.loop, s.check);
+  s.check->data = &s;
 
   if (embedded_) {
     s.loop_thread.store(std::this_thread::get_id());
@@ -100,17 +105,29 @@ bool EventLoop::Poster::post(Task task) const {
 
 void EventLoop::defer(Task task) {
   Shared& s = *shared_;
-  if (s.idle == nullptr) {
+  if (s.check == nullptr) {
     // Closed: no later turn will come; run it now.
     run_guarded(task);
     return;
   }
   s.deferred.push_back(std::move(task));
-  if (!s.idle_active && s.idle != nullptr) {
-    // An active idle handle also makes the loop poll without blocking, so deferred work runs
-    // in the next turn even when the task was deferred from a timer callback.
-    uv_idle_start(s.idle, &EventLoop::on_idle);
-    s.idle_active = true;
+  if (!s.armed) {
+    // The check handle runs the work after this turn's I/O callbacks. The idle handle only
+    // keeps the loop from blocking in poll when the work was deferred before it (from a timer
+    // or an idle callback), so that it still runs in this turn.
+    uv_check_start(s.check, &EventLoop::on_check);
+    uv_idle_start(s.idle, [](uv_idle_t*) {});
+    s.armed = true;
+  }
+}
+
+void EventLoop::run_deferred(Shared& s) {
+  // Work deferred by deferred work runs here too: one completion never waits a turn for the
+  // next step. Bounded, so that work that keeps deferring itself cannot starve the loop's I/O.
+  for (int round = 0; round < 64 && !s.deferred.empty(); ++round) {
+    std::vector<Task> tasks;
+    tasks.swap(s.deferred);
+    for (auto& task : tasks) run_guarded(task);
   }
 }
 
@@ -125,15 +142,14 @@ void EventLoop::on_async(uv_async_t* handle) {
   for (auto& task : tasks) run_guarded(task);
 }
 
-void EventLoop::on_idle(uv_idle_t* handle) {
+void EventLoop::on_check(uv_check_t* handle) {
   auto& s = *static_cast<Shared*>(handle->data);
   s.loop_thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
-  std::vector<Task> tasks;
-  tasks.swap(s.deferred);
-  for (auto& task : tasks) run_guarded(task);
-  if (s.deferred.empty() && s.idle_active) {
-    uv_idle_stop(handle);
-    s.idle_active = false;
+  run_deferred(s);
+  if (s.deferred.empty() && s.armed) {
+    uv_check_stop(s.check);
+    uv_idle_stop(s.idle);
+    s.armed = false;
   }
 }
 
@@ -144,11 +160,7 @@ void EventLoop::close(Task teardown) {
   Task finish = [s, done, teardown = std::move(teardown)] {
     if (teardown) run_guarded(teardown);
     // Callbacks of the operations the teardown ended still run, here, on the loop thread.
-    while (!s->deferred.empty()) {
-      std::vector<Task> tasks;
-      tasks.swap(s->deferred);
-      for (auto& task : tasks) run_guarded(task);
-    }
+    while (!s->deferred.empty()) run_deferred(*s);
     std::vector<Task> dropped;
     {
       std::lock_guard lock(s->mu);
@@ -158,9 +170,11 @@ void EventLoop::close(Task teardown) {
     dropped.clear();  // unblocks call()ers with InvalidState
     close_and_delete(s->async);
     close_and_delete(s->idle);
+    close_and_delete(s->check);
     s->async = nullptr;
     s->idle = nullptr;
-    s->idle_active = false;
+    s->check = nullptr;
+    s->armed = false;
     // The thread may end and its id be reused by another: it is nobody's loop thread now.
     s->loop_thread.store(std::thread::id{});
     done->set_value();
@@ -189,4 +203,4 @@ void EventLoop::close(Task teardown) {
   finished.wait();
 }
 
-}  // namespace ferry::sidechannel
+}  // namespace ferry::loop
