@@ -421,15 +421,49 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
   return id;
 }
 
-void NatsChannel::unsubscribe(std::uint64_t id) {
-  state_->subs.erase(id);
-  outbox_->push([this, id] {
+void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
+  std::string confirm;
+  if (last_words.empty() || closing_) {
+    state_->subs.erase(id);
+  } else {
+    // Until the server has processed the UNSUB it still routes requests here: answer them
+    // with `last_words` instead of leaving the asker waiting for its request_timeout. The
+    // message we send ourselves behind the UNSUB comes back once the server is past it.
+    state_->subs[id] = [this, words = std::move(last_words)](const Message& m) {
+      if (!m.reply.empty()) respond(m, words);
+    };
+    const std::uint64_t c = state_->random_id();
+    char token[24];
+    std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(c));
+    confirm = state_->inbox + token;
+    std::weak_ptr<State> weak = state_;
+    state_->confirms.emplace(c, [weak, id](const std::string&) {
+      if (auto st = weak.lock()) st->subs.erase(id);
+    });
+  }
+  outbox_->push([this, id, confirm] {
     auto it = outbox_->subs.find(id);
-    if (it == outbox_->subs.end()) return;
-    natsSubscription_Unsubscribe(it->second);
-    natsSubscription_Destroy(it->second);
-    outbox_->subs.erase(it);
+    if (it != outbox_->subs.end()) {
+      natsSubscription_Unsubscribe(it->second);
+      natsSubscription_Destroy(it->second);
+      outbox_->subs.erase(it);
+    }
+    if (!confirm.empty()) natsConnection_Publish(outbox_->nc, confirm.c_str(), nullptr, 0);
   });
+}
+
+bool NatsChannel::is_own_inbox(std::string_view subject) const {
+  // Any connector's inbox under ferry's prefix: "<prefix>.inbox.<id>.<suffix>".
+  const std::string head = state_->prefix + ".inbox.";
+  return subject.size() > head.size() && subject.substr(0, head.size()) == head &&
+         subject_problem(subject).empty();
+}
+
+void NatsChannel::respond(const Message& request, std::string data) {
+  // Answers go only to ferry's inbox namespace: a requester must not make this connector
+  // publish its metadata (a credential) to a subject of the requester's choosing.
+  if (request.reply.empty() || !is_own_inbox(request.reply)) return;
+  publish(request.reply, std::move(data));
 }
 
 void NatsChannel::publish(const std::string& subject, std::string data, const std::string& reply) {

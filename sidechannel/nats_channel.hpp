@@ -68,8 +68,14 @@ class NatsChannel {
   /// itself after the SUB comes back only once the SUB is in place; nothing blocks.)
   std::uint64_t subscribe(const std::string& subject, const std::string& queue,
                           MessageHandler handler, Registered registered = {});
-  /// After it returns, the handler is not called again.
-  void unsubscribe(std::uint64_t id);
+  /// After it returns, the handler is not called again. With `last_words`, requests that the
+  /// server still routes to the subscription until it has processed the unsubscription are
+  /// answered with them.
+  void unsubscribe(std::uint64_t id, std::string last_words = {});
+  /// Answers `request` with `data` if its reply subject lies in ferry's inbox namespace
+  /// ("<prefix>.inbox."); drops it otherwise.
+  void respond(const Message& request, std::string data);
+  bool is_own_inbox(std::string_view subject) const;
   void publish(const std::string& subject, std::string data, const std::string& reply = {});
 
   /// Publishes a request whose first answer (or the server's no-responders notice) goes to

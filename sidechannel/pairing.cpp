@@ -22,7 +22,7 @@ std::optional<ErrorCode> code_from_name(std::string_view name) {
 std::string encode(const MetadataRequest& request) {
   return json{
       {"version", kVersion}, {"want", std::string(to_string(request.want))}, {"from", request.from}}
-      .dump();
+      .dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 std::string encode(const CompletionNotice& n) {
@@ -31,6 +31,7 @@ std::string encode(const CompletionNotice& n) {
               {"token", n.token},
               {"from", n.from},
               {"from_id", n.from_id}};
+  if (!n.claim.empty()) doc["claim"] = n.claim;
   if (n.error) {
     doc["status"] = "errored";
     doc["code"] = std::string(to_string(n.error->code()));
@@ -38,7 +39,7 @@ std::string encode(const CompletionNotice& n) {
   } else {
     doc["status"] = "complete";
   }
-  return doc.dump();
+  return doc.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 std::optional<CompletionNotice> decode_notice(std::string_view text) {
@@ -62,6 +63,7 @@ std::optional<CompletionNotice> decode_notice(std::string_view text) {
   n.token = *token;
   n.from = str("from").value_or("?");
   n.from_id = str("from_id").value_or("");
+  n.claim = str("claim").value_or("");
   if (*status == "complete") return n;
   if (*status != "errored") return std::nullopt;
   auto code = code_from_name(str("code").value_or(""));

@@ -26,6 +26,9 @@ struct CompletionNotice {
   std::string from;            ///< the active side's connector name
   std::string from_id;         ///< and its id
   std::optional<Error> error;  ///< empty: the transfer finished
+  /// The claim secret the owner handed to the sender's transfer (32 hex digits), empty if it
+  /// never claimed: once an operation is claimed, only a notice that carries it counts.
+  std::string claim;
 };
 std::string encode(const CompletionNotice& notice);
 /// Empty when `json` is not a well-formed notice.

@@ -1,6 +1,6 @@
 #include "transport/exposure_table.hpp"
 
-#include <sys/random.h>
+#include "loop/ids.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -23,44 +23,13 @@ bool tokens_equal(const Token& a, const Token& b) noexcept {
 
 Token random_token() {
   Token token{};
-  std::size_t got = 0;
-  while (got < token.size()) {
-    ssize_t n = getrandom(token.data() + got, token.size() - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw Error(ErrorCode::Internal, std::string("getrandom: ") + std::strerror(errno));
-    }
-    got += static_cast<std::size_t>(n);
-  }
+  loop::random_bytes(token);
   return token;
 }
 
-std::string token_to_hex(const Token& token) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(token.size() * 2);
-  for (std::uint8_t b : token) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 0xf]);
-  }
-  return out;
-}
+std::string token_to_hex(const Token& token) { return loop::to_hex(token); }
 
-bool token_from_hex(std::string_view hex, Token& out) noexcept {
-  if (hex.size() != out.size() * 2) return false;
-  auto nibble = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1;
-  };
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    int hi = nibble(hex[2 * i]);
-    int lo = nibble(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return false;
-    out[i] = static_cast<std::uint8_t>(hi << 4 | lo);
-  }
-  return true;
-}
+bool token_from_hex(std::string_view hex, Token& out) noexcept { return loop::from_hex(hex, out); }
 
 ExposureTable::Entry& ExposureTable::add(const Exposure& exposure, ExposureObserver& observer) {
   Entry entry;

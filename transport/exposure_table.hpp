@@ -5,6 +5,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "transport/memory.hpp"
 #include "transport/transport.hpp"
 
 namespace ferry::transport {

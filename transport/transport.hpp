@@ -11,19 +11,12 @@
 #include <ferry/error.hpp>
 #include <ferry/rdma_metadata.hpp>
 
-namespace ferry::transport {
+#include "transport/registration_cache.hpp"
 
-/// 128 random bits; a passive operation's access token.
-using Token = std::array<std::uint8_t, 16>;
+namespace ferry::transport {
 
 /// What the peer of a passive operation may do to its memory.
 enum class Access : std::uint8_t { read = 1, write = 2 };
-
-/// A range of this process's memory exposed to a peer.
-struct Region {
-  std::byte* ptr = nullptr;
-  std::uint64_t size = 0;
-};
 
 /// One contiguous piece of an active transfer: `len` bytes at the peer's `remote_addr`
 /// (inside one of its regions) matched with `len` bytes at `local`.
@@ -33,12 +26,27 @@ struct Segment {
   std::uint64_t len = 0;
 };
 
-/// What a transport can do; the connector chooses by these, never by name.
+/// What a transport can do; the method selector chooses by these, never by name.
 struct Capabilities {
-  std::string method;             ///< the name put into endpoints ("tcp")
+  std::string method;  ///< the name put into endpoints ("tcp")
+  /// Preference among the methods both sides offer: the highest rank that fits wins
+  /// (verbs 300, cma 200, tcp 100).
+  int rank = 0;
+  /// The memory kinds it moves, as a set of bit(MemoryKind); host at least.
+  std::uint8_t memory_kinds = bit(MemoryKind::host);
   bool same_host_only = false;    ///< works only between processes of one host
-  bool device_memory = false;     ///< can move CUDA memory
   bool passive_cpu_free = false;  ///< the passive side's CPU does not touch the bytes
+  bool moves(MemoryKind kind) const noexcept { return (memory_kinds & bit(kind)) != 0; }
+};
+
+/// The claim of a passive operation by its one peer.
+struct Claim {
+  std::string method;   ///< the method it came by
+  std::string peer;     ///< the peer, described for messages
+  std::string peer_id;  ///< its connector id (16 hex digits) if the transport learns it, else empty
+  /// A fresh secret the transport handed to the claimant alone (over the claim's own
+  /// connection): completion notices that arrive by other ways count only if they carry it.
+  Token secret{};
 };
 
 /// A passive operation's memory as a transport serves it.
@@ -54,11 +62,8 @@ struct Exposure {
 class ExposureObserver {
  public:
   virtual ~ExposureObserver() = default;
-  /// A peer presented the token for the first time, over `method`; the exposure is now bound
-  /// to it. `peer` describes it for messages; `peer_id` is its connector id (16 hex digits),
-  /// empty if the transport does not learn it.
-  virtual void on_claimed(const std::string& method, const std::string& peer,
-                          const std::string& peer_id) = 0;
+  /// A peer presented the token for the first time; the exposure is now bound to it.
+  virtual void on_claimed(const Claim& claim) = 0;
   /// The peer finished: with no error, all its bytes are in place (write) or it has read
   /// all it needed (read); with an error, it failed and says why. The exposure is gone.
   virtual void on_peer_finished(const std::string& peer, const std::optional<Error>& error) = 0;
@@ -73,6 +78,10 @@ class TransferObserver {
   virtual ~TransferObserver() = default;
   virtual void on_transfer_complete() = 0;
   virtual void on_transfer_failed(const Error& error) = 0;
+  /// The transfer failed while being set up, before any byte of the local or remote memory
+  /// was touched (the method was refused or cannot reach the peer): another method may still
+  /// work. By default the same as on_transfer_failed.
+  virtual void on_transfer_setup_failed(const Error& error) { on_transfer_failed(error); }
 };
 
 /// What an active operation asks of a transport.
@@ -89,6 +98,8 @@ struct TransferSpec {
 class Transfer {
  public:
   virtual ~Transfer() = default;
+  /// The claim secret the owner handed to this transfer, once it has (see Claim::secret).
+  virtual std::optional<Token> claim_secret() const { return std::nullopt; }
   /// Stops the transfer and tells the peer `reason`. When it returns, the transport touches
   /// the local memory no more and the observer is not called again.
   virtual void cancel(const Error& reason) = 0;
@@ -106,8 +117,16 @@ class Transport {
   /// Where peers reach this transport; put into metadata.
   virtual std::vector<Endpoint> endpoints() const = 0;
 
-  /// Serves `exposure` to the one peer that presents its token.
-  virtual void expose(const Exposure& exposure, ExposureObserver& observer) = 0;
+  /// Registers `region` with this method (a memory registration for RDMA, nothing for tcp)
+  /// through the transport's registration cache: a range inside one registered before reuses
+  /// it. The registration lasts while the handle lives (and the cache may keep it longer).
+  /// Throws Error(Unsupported) for memory this method cannot move.
+  virtual std::shared_ptr<const Registration> register_memory(const Region& region) = 0;
+
+  /// Serves `exposure` to the one peer that presents its token. Returns what a peer needs
+  /// beyond the endpoint to reach this memory by this method (remote keys, say), put into the
+  /// metadata's endpoint of this method as its `info`; empty when nothing is needed.
+  virtual std::string expose(const Exposure& exposure, ExposureObserver& observer) = 0;
   /// Ends serving exposure `id`: its token is dead, and a peer with requests under way is
   /// answered with `reason`. No effect if unknown.
   virtual void revoke(std::uint64_t id, const Error& reason) = 0;

@@ -2,6 +2,10 @@
 
 #include <uv.h>
 
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #include <ferry/error.hpp>
@@ -93,5 +97,36 @@ using Timer = UvHandle<uv_timer_t>;
 using Poll = UvHandle<uv_poll_t>;
 using Async = UvHandle<uv_async_t>;
 using Idle = UvHandle<uv_idle_t>;
+
+}  // namespace ferry::loop
+
+namespace ferry::loop {
+
+/// Runs `fn` from a libuv callback: an exception must never unwind through libuv's C frames
+/// (that would terminate the process). It is reported on stderr with `where`, and `on_error`
+/// (when given) gets its text so the caller can fail what the callback was serving.
+template <class F, class G = void (*)(const char*)>
+void guarded(const char* where, F&& fn, G&& on_error = nullptr) noexcept {
+  const char* what = nullptr;
+  std::string text;
+  try {
+    fn();
+    return;
+  } catch (const std::exception& e) {
+    text = e.what();
+  } catch (...) {
+    text = "unknown exception";
+  }
+  what = text.c_str();
+  std::fprintf(stderr, "ferry: %s failed: %s\n", where, what);
+  if constexpr (!std::is_same_v<std::decay_t<G>, void (*)(const char*)>) {
+    try {
+      on_error(what);
+    } catch (...) {
+    }
+  } else {
+    if (on_error != nullptr) on_error(what);
+  }
+}
 
 }  // namespace ferry::loop

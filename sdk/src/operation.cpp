@@ -1,6 +1,6 @@
 #include <ferry/operation.hpp>
 
-#include "sdk/src/core.hpp"
+#include "sdk/src/operation_state.hpp"
 
 namespace ferry {
 

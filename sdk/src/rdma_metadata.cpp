@@ -91,6 +91,10 @@ void RdmaMetadata::validate() const {
     const std::string at = "endpoints[" + std::to_string(i) + "]";
     if (endpoints[i].method.empty()) invalid(at + ".method", "must not be empty");
     if (endpoints[i].address.empty()) invalid(at + ".address", "must not be empty");
+    if (endpoints[i].method.size() > 64) invalid(at + ".method", "longer than 64 bytes");
+    if (endpoints[i].address.size() > 256) invalid(at + ".address", "longer than 256 bytes");
+    if (endpoints[i].info.size() > kMaxEndpointInfo)
+      invalid(at + ".info", "longer than " + std::to_string(kMaxEndpointInfo) + " bytes");
   }
   if (descriptors.empty()) invalid("descriptors", "must list at least one descriptor");
   if (descriptors.size() > kMaxDescriptors)
@@ -115,7 +119,11 @@ std::string RdmaMetadata::to_json() const {
   for (const auto& d : descriptors)
     descs.push_back({{"device", d.device.to_string()}, {"ptr", d.ptr}, {"size", d.size}});
   json eps = json::array();
-  for (const auto& e : endpoints) eps.push_back({{"method", e.method}, {"address", e.address}});
+  for (const auto& e : endpoints) {
+    json ep = {{"method", e.method}, {"address", e.address}};
+    if (!e.info.empty()) ep["info"] = e.info;
+    eps.push_back(std::move(ep));
+  }
   json doc = {
       {"version", version},
       {"operation_kind", std::string(to_string(operation_kind))},
@@ -125,7 +133,9 @@ std::string RdmaMetadata::to_json() const {
       {"descriptors", std::move(descs)},
       {"token", token},
   };
-  return doc.dump();
+  // Text that is not valid UTF-8 (a name from a peer, say) becomes U+FFFD instead of
+  // throwing: encoding metadata never fails.
+  return doc.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 RdmaMetadata RdmaMetadata::from_json(std::string_view text) {
@@ -159,7 +169,9 @@ RdmaMetadata RdmaMetadata::from_json(std::string_view text) {
   for (std::size_t i = 0; i < eps.size(); ++i) {
     const std::string at = "endpoints[" + std::to_string(i) + "]";
     if (!eps[i].is_object()) invalid(at, "must be an object");
-    m.endpoints.push_back({get_string(eps[i], at, "method"), get_string(eps[i], at, "address")});
+    Endpoint e{get_string(eps[i], at, "method"), get_string(eps[i], at, "address"), {}};
+    if (eps[i].contains("info")) e.info = get_string(eps[i], at, "info");
+    m.endpoints.push_back(std::move(e));
   }
 
   const json& descs = get_array(doc, "descriptors");

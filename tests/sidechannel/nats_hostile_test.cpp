@@ -16,6 +16,7 @@
 #include "tests/support/patterns.hpp"
 #include "tests/support/raw_peer.hpp"
 #include "tests/support/util.hpp"
+#include "transport/exposure_table.hpp"
 
 namespace ferry {
 namespace {
@@ -29,17 +30,27 @@ using test::nats_options;
 // A plain NATS client of the test's own.
 class RawNats {
  public:
-  explicit RawNats(const std::string& url) {
-    EXPECT_EQ(natsConnection_ConnectTo(&nc_, url.c_str()), NATS_OK);
+  // Its inboxes lie in ferry's namespace: owners answer metadata requests nowhere else.
+  explicit RawNats(const std::string& url, const char* inbox_prefix = "ferry.inbox.raw") {
+    natsOptions* opts = nullptr;
+    EXPECT_EQ(natsOptions_Create(&opts), NATS_OK);
+    EXPECT_EQ(natsOptions_SetURL(opts, url.c_str()), NATS_OK);
+    EXPECT_EQ(natsOptions_SetCustomInboxPrefix(opts, inbox_prefix), NATS_OK);
+    EXPECT_EQ(natsConnection_Connect(&nc_, opts), NATS_OK);
+    natsOptions_Destroy(opts);
   }
   ~RawNats() {
     for (auto* sub : subs_) natsSubscription_Destroy(sub);
     natsConnection_Destroy(nc_);
   }
   // The metadata a passive operation serves at `subject`.
-  std::string ask(const std::string& subject) {
+  std::string ask(const std::string& subject, int timeout_ms = 5000) {
     natsMsg* reply = nullptr;
-    EXPECT_EQ(natsConnection_RequestString(&reply, nc_, subject.c_str(), "{}", 5000), NATS_OK);
+    natsStatus s = natsConnection_RequestString(&reply, nc_, subject.c_str(), "{}", timeout_ms);
+    last_status_ = s;
+    if (timeout_ms >= 5000) {
+      EXPECT_EQ(s, NATS_OK);
+    }
     if (reply == nullptr) return {};
     std::string data(natsMsg_GetData(reply),
                      static_cast<std::size_t>(natsMsg_GetDataLength(reply)));
@@ -89,6 +100,8 @@ class RawNats {
     return n;
   }
 
+  natsStatus last_status() const noexcept { return last_status_; }
+
  private:
   struct Ctx {
     RawNats* self;
@@ -96,6 +109,7 @@ class RawNats {
     std::chrono::milliseconds delay;
   };
   natsConnection* nc_ = nullptr;
+  natsStatus last_status_ = NATS_OK;
   std::vector<natsSubscription*> subs_;
 };
 
@@ -171,6 +185,52 @@ TEST_F(NatsHostileTest, NoticesFromAnyoneButTheClaimantAreIgnored) {
   ASSERT_TRUE(read.wait_for_completion(60s));
   ASSERT_TRUE(readable.wait_for_completion(60s));
   EXPECT_EQ(test::first_mismatch(dst.data(), kBig, 2), -1);
+}
+
+// The claimant's connector id is no secret (HELLO carries it, reply subjects show it): only
+// the secret the owner handed to the claim, over the claim's own connection, ends it.
+TEST_F(NatsHostileTest, OnlyTheClaimsSecretEndsAClaimedTransfer) {
+  Connector owner(nats_options("owner", {server_.url()}));
+  auto dst = test::buffer(4096);
+  auto writable = owner.create_writable({Descriptor(dst.data(), dst.size())}, at("claimed-raw"));
+  auto meta = RdmaMetadata::from_json(raw_.ask("claimed-raw"));
+  const test::Target t = test::target_of(meta);
+  test::RawClient claimant(t.address);
+  ASSERT_TRUE(claimant.greet("claimant", 0xabc)) << claimant.error();
+  std::vector<std::byte> bytes(16, std::byte{7});
+  ASSERT_TRUE(claimant.send_frame(test::request(transport::tcp::FrameType::write, t, 1, t.base, 16),
+                                  {}, bytes));
+  ASSERT_TRUE(test::is_ok(claimant.read_frame(), 1)) << claimant.error();
+  auto secret = claimant.claim_secret(t.op_id);
+  ASSERT_TRUE(secret.has_value()) << "the owner handed the claimant no secret";
+  ASSERT_TRUE(test::eventually([&] { return writable.status() == OperationStatus::in_progress; }));
+
+  json notice = {
+      {"version", 1},        {"key", meta.notification_key},  {"token", meta.token},
+      {"from", "intruder"},  {"from_id", "0000000000000abc"},  // the claimant's id, as HELLO said
+      {"status", "errored"}, {"code", "Cancelled"},           {"message", "hijack"}};
+  raw_.publish("ferry.notify." + meta.owner.id, notice.dump());
+  notice["claim"] = std::string(32, '0');
+  raw_.publish("ferry.notify." + meta.owner.id, notice.dump());
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(writable.status(), OperationStatus::in_progress);
+
+  notice["claim"] = transport::token_to_hex(*secret);
+  notice["from"] = "claimant";
+  raw_.publish("ferry.notify." + meta.owner.id, notice.dump());
+  EXPECT_EQ(ended_with(writable, 5s), ErrorCode::Cancelled);
+  EXPECT_NE(writable.error()->message().find("peer 'claimant'"), std::string::npos);
+}
+
+// Metadata (a credential) is published only to reply subjects in ferry's inbox namespace.
+TEST_F(NatsHostileTest, MetadataIsAnsweredOnlyToFerrysInboxes) {
+  Connector owner(nats_options("owner", {server_.url()}));
+  auto src = test::patterned(64, 3);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())}, at("guarded"));
+  RawNats outsider(server_.url(), "_INBOX.elsewhere");
+  EXPECT_EQ(outsider.ask("guarded", 500), "");
+  EXPECT_EQ(outsider.last_status(), NATS_TIMEOUT);
+  EXPECT_FALSE(raw_.ask("guarded").empty());
 }
 
 TEST_F(NatsHostileTest, MalformedNoticesAreDroppedQuietly) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -148,9 +149,24 @@ class RawClient {
            send_bytes(payload.data(), payload.size());
   }
 
-  /// The next frame, or nothing on end of stream, reset, timeout or an implausible header
-  /// (error() says which).
+  /// The next frame other than CLAIMED (whose secrets are kept: claim_secret()), or nothing
+  /// on end of stream, reset, timeout or an implausible header (error() says which).
   std::optional<Frame> read_frame() {
+    for (;;) {
+      auto f = read_any_frame();
+      if (!f || f->header.type != FrameType::claimed) return f;
+      claims_[f->header.op_id] = f->header.token;
+    }
+  }
+  /// The claim secret the server sent for operation `op_id`, if it did.
+  std::optional<transport::Token> claim_secret(std::uint64_t op_id) const {
+    auto it = claims_.find(op_id);
+    if (it == claims_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  /// The next frame, CLAIMED included.
+  std::optional<Frame> read_any_frame() {
     transport::tcp::HeaderBytes bytes{};
     if (!read_exact(bytes.data(), bytes.size())) return std::nullopt;
     Frame f;
@@ -173,9 +189,10 @@ class RawClient {
   }
 
   /// Sends HELLO with `name` and reads the server's HELLO; true if it came.
-  bool greet(const std::string& name) {
+  bool greet(const std::string& name, std::uint64_t connector_id = 0) {
     FrameHeader h;
     h.type = FrameType::hello;
+    h.op_id = connector_id;
     if (!send_frame(h, name)) return false;
     auto reply = read_frame();
     if (!reply) return false;
@@ -188,6 +205,7 @@ class RawClient {
     return true;
   }
   const std::string& server_name() const noexcept { return server_name_; }
+  std::map<std::uint64_t, transport::Token> claims_;
 
   /// Whether the server closes the connection (end of stream or reset) without sending
   /// anything more, within the receive timeout.

@@ -190,7 +190,7 @@ TEST(Tokens, FromHexRejectsUppercaseAndNonHex) {
 
 class NullObserver final : public ExposureObserver {
  public:
-  void on_claimed(const std::string&, const std::string&, const std::string&) override {}
+  void on_claimed(const Claim&) override {}
   void on_peer_finished(const std::string&, const std::optional<Error>&) override {}
   void on_peer_lost(const Error&) override {}
 };

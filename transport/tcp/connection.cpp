@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "loop/ids.hpp"
 #include "loop/uv_handle.hpp"
 #include "transport/tcp/socket.hpp"
 
@@ -40,17 +41,13 @@ Connection::Connection(uv_loop_t* loop, Handler& handler, Role role, int fd, std
       peer_address_(std::move(peer_address)),
       peer_timeout_(peer_timeout),
       connecting_(connecting) {
-  poll_ = new uv_poll_t{};
-  if (int rc = uv_poll_init(loop_, poll_, fd_); rc != 0) {
-    delete poll_;
-    poll_ = nullptr;
+  try {
+    poll_ = loop::Poll::poll(loop_, fd_, this);
+  } catch (...) {
     ::close(fd_);
-    throw Error(ErrorCode::Internal, std::string("uv_poll_init: ") + uv_strerror(rc));
+    throw;
   }
-  poll_->data = this;
-  timer_ = new uv_timer_t{};
-  uv_timer_init(loop_, timer_);
-  timer_->data = this;
+  timer_ = loop::Timer::timer(loop_, this);
   watchdog();
   update_poll();
 }
@@ -66,22 +63,14 @@ std::string Connection::describe_peer() const {
 }
 
 void Connection::close_socket() {
-  if (poll_ != nullptr) {
-    // Stopping the poll handle removes the fd from the loop's epoll set, so closing the fd
-    // right after is safe even if its number is reused at once.
-    uv_poll_stop(poll_);
-    poll_->data = nullptr;
-    loop::close_and_delete(poll_);
-    poll_ = nullptr;
+  if (poll_) {
+    // Closing the poll handle takes the fd out of the loop's epoll set at once, so closing
+    // the fd right after is safe even if its number is reused at once.
+    poll_.reset();
     ::close(fd_);
     fd_ = -1;
   }
-  if (timer_ != nullptr) {
-    uv_timer_stop(timer_);
-    timer_->data = nullptr;
-    loop::close_and_delete(timer_);
-    timer_ = nullptr;
-  }
+  timer_.reset();
 }
 
 void Connection::set_greeted() noexcept {
@@ -105,13 +94,13 @@ bool Connection::awaiting_peer() const noexcept {
 }
 
 void Connection::watchdog() {
-  if (closed_ || timer_ == nullptr) return;
+  if (closed_ || !timer_) return;
   if (!awaiting_peer()) {
-    uv_timer_stop(timer_);
+    uv_timer_stop(timer_.get());
     return;
   }
-  uv_timer_start(timer_, &Connection::on_timer, static_cast<std::uint64_t>(peer_timeout_.count()),
-                 0);
+  uv_timer_start(timer_.get(), &Connection::on_timer,
+                 static_cast<std::uint64_t>(peer_timeout_.count()), 0);
 }
 
 void Connection::account(std::int64_t owned_delta) noexcept {
@@ -127,7 +116,7 @@ void Connection::account(std::int64_t owned_delta) noexcept {
 }
 
 void Connection::update_poll() {
-  if (closed_ || poll_ == nullptr) return;
+  if (closed_ || !poll_) return;
   int events = 0;
   if (connecting_) {
     events = UV_WRITABLE;
@@ -139,12 +128,22 @@ void Connection::update_poll() {
   if (events == poll_events_) return;
   poll_events_ = events;
   if (events == 0)
-    uv_poll_stop(poll_);
+    uv_poll_stop(poll_.get());
   else
-    uv_poll_start(poll_, events, &Connection::on_poll);
+    uv_poll_start(poll_.get(), events, &Connection::on_poll);
 }
 
 void Connection::on_poll(uv_poll_t* handle, int status, int events) {
+  loop::guarded(
+      "tcp connection", [&] { poll_event(handle, status, events); },
+      [handle](const char* what) {
+        // The stream cannot be trusted after a failure halfway through a frame.
+        if (auto* self = static_cast<Connection*>(handle->data); self && !self->closed_)
+          self->fail(std::string("internal error: ") + what);
+      });
+}
+
+void Connection::poll_event(uv_poll_t* handle, int status, int events) {
   auto* self = static_cast<Connection*>(handle->data);
   if (self == nullptr || self->closed_) return;
   if (status < 0) {
@@ -164,6 +163,10 @@ void Connection::on_poll(uv_poll_t* handle, int status, int events) {
 }
 
 void Connection::on_timer(uv_timer_t* handle) {
+  loop::guarded("tcp watchdog", [&] { watchdog_fired(handle); });
+}
+
+void Connection::watchdog_fired(uv_timer_t* handle) {
   auto* self = static_cast<Connection*>(handle->data);
   if (self == nullptr || self->closed_) return;
   const std::string ms = std::to_string(self->peer_timeout_.count()) + " ms";
@@ -426,6 +429,8 @@ void Connection::read_some() {
 
 void Connection::start_frame() {
   state_ = ReadState::header;
+  // A peer's text (names, reasons) goes into errors and JSON: only valid UTF-8 gets there.
+  if (!message_.empty() && !loop::valid_utf8(message_)) message_ = loop::sanitized_utf8(message_);
   Sink sink = handler_.on_frame(*this, header_, std::move(message_));
   message_.clear();
   if (closed_ || closing_after_flush_) return;

@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 
+#include "loop/uv_handle.hpp"
 #include "transport/tcp/frame.hpp"
 
 namespace ferry::transport::tcp {
@@ -61,6 +62,7 @@ class Connection {
   Connection& operator=(const Connection&) = delete;
 
   std::uint64_t id() const noexcept { return id_; }
+  std::chrono::steady_clock::time_point opened_at() const noexcept { return opened_at_; }
   Role role() const noexcept { return role_; }
   bool open() const noexcept { return !closed_; }
   const std::string& peer_address() const noexcept { return peer_address_; }
@@ -133,6 +135,8 @@ class Connection {
 
   static void on_poll(uv_poll_t* handle, int status, int events);
   static void on_timer(uv_timer_t* handle);
+  static void poll_event(uv_poll_t* handle, int status, int events);
+  static void watchdog_fired(uv_timer_t* handle);
   void watchdog();
   bool awaiting_peer() const noexcept;
   void account(std::int64_t owned_delta) noexcept;
@@ -154,9 +158,10 @@ class Connection {
   std::string peer_name_;
   std::string peer_id_;
   std::chrono::milliseconds peer_timeout_;
+  std::chrono::steady_clock::time_point opened_at_ = std::chrono::steady_clock::now();
 
-  uv_poll_t* poll_ = nullptr;
-  uv_timer_t* timer_ = nullptr;
+  loop::Poll poll_;
+  loop::Timer timer_;
   int poll_events_ = 0;
   bool connecting_;
   bool closed_ = false;

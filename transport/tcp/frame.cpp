@@ -71,6 +71,7 @@ std::string malformed(const FrameHeader& h) {
     case FrameType::write:
     case FrameType::status:
     case FrameType::done:
+    case FrameType::claimed:
       break;
     default:
       return "unknown frame type " + std::to_string(static_cast<int>(h.type));

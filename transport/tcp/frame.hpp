@@ -19,6 +19,8 @@ enum class FrameType : std::uint8_t {
   write = 4,   ///< client: `len` bytes for `addr` of operation `op_id` follow
   status = 5,  ///< server: outcome of request `req_id`; status 0 is success, else an ErrorCode
   done = 6,    ///< client: the active operation ended with `status` (msg: the reason)
+  claimed =
+      7,  ///< server: operation `op_id` is now this connection's; `token` is the claim's secret
 };
 
 inline constexpr std::uint32_t kMagic = 0x59525246;  // "FRRY" on the wire

@@ -1,6 +1,7 @@
 #include "transport/tcp/tcp_transport.hpp"
 
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 
+#include "loop/ids.hpp"
 #include "loop/uv_handle.hpp"
 
 namespace ferry::transport::tcp {
@@ -27,6 +29,7 @@ class TcpTransfer final : public Transfer {
   void cancel(const Error& reason) override {
     if (owner != nullptr) owner->cancel_transfer(*this, reason);
   }
+  std::optional<Token> claim_secret() const override { return secret; }
 
   TcpTransport* owner;  // null once the transport let go of it
   std::uint64_t id;
@@ -41,6 +44,7 @@ class TcpTransfer final : public Transfer {
   bool done_sent = false;
   bool finished = false;  // succeeded or failed; nothing more is sent or received for it
   bool notified = false;
+  std::optional<Token> secret;             // the owner's claim secret, once it sent it
   std::unordered_set<std::uint64_t> reqs;  // requests awaiting an answer
 };
 
@@ -63,8 +67,15 @@ ErrorCode code_from_wire(std::uint32_t status) {
 }  // namespace
 
 TcpTransport::TcpTransport(uv_loop_t* loop, Defer defer, Options options)
-    : loop_(loop), defer_(std::move(defer)), options_(std::move(options)) {
+    : loop_(loop),
+      defer_(defer),
+      options_(std::move(options)),
+      exposures_("tcp", std::move(defer)) {
   caps_.method = "tcp";
+  caps_.rank = 100;
+  caps_.memory_kinds = bit(MemoryKind::host);
+  caps_.same_host_only = false;
+  caps_.passive_cpu_free = false;
   if (options_.chunk_size == 0 || options_.window < options_.chunk_size)
     throw Error(ErrorCode::InvalidArgument, "tcp.window must be at least tcp.chunk_size (> 0)");
   SocketAddress bind_addr;
@@ -103,32 +114,45 @@ TcpTransport::TcpTransport(uv_loop_t* loop, Defer defer, Options options)
     advertised_ = adv.to_string();
   }
 
-  listen_poll_ = new uv_poll_t{};
-  uv_poll_init(loop_, listen_poll_, listen_fd_);
-  listen_poll_->data = this;
-  uv_poll_start(listen_poll_, UV_READABLE, &TcpTransport::on_listen);
-  listen_retry_ = new uv_timer_t{};
-  uv_timer_init(loop_, listen_retry_);
-  listen_retry_->data = this;
+  try {
+    listen_poll_ = loop::Poll::poll(loop_, listen_fd_, this);
+  } catch (...) {
+    ::close(listen_fd_);
+    throw;
+  }
+  uv_poll_start(listen_poll_.get(), UV_READABLE, &TcpTransport::on_listen);
+  listen_retry_ = loop::Timer::timer(loop_, this);
+  sweep_ = loop::Timer::timer(loop_, this);
+
+  // Never accept so many connections that the process runs out of descriptors for everything
+  // else (NATS, client connections, the application's own files).
+  rlimit nofile{};
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
+    const auto reserve = std::min<rlim_t>(nofile.rlim_cur / 4, 256);
+    const auto usable = static_cast<std::size_t>(nofile.rlim_cur - reserve);
+    max_accepted_ = std::max<std::size_t>(1, std::min(options_.max_connections, usable));
+  } else {
+    max_accepted_ = options_.max_connections;
+  }
 }
 
 TcpTransport::~TcpTransport() { close(); }
 
-std::vector<Endpoint> TcpTransport::endpoints() const { return {{caps_.method, advertised_}}; }
+std::vector<Endpoint> TcpTransport::endpoints() const {
+  return {Endpoint{caps_.method, advertised_, {}}};
+}
 
 void TcpTransport::close() {
   if (closed_) return;
   closed_ = true;
   life_.reset();
-  if (listen_poll_ != nullptr) {
-    uv_poll_stop(listen_poll_);
-    loop::close_and_delete(listen_poll_);
-    listen_poll_ = nullptr;
+  sweep_.reset();
+  unclaimed_.clear();
+  if (listen_poll_) {
+    listen_poll_.reset();
     ::close(listen_fd_);
     listen_fd_ = -1;
-    uv_timer_stop(listen_retry_);
-    loop::close_and_delete(listen_retry_);
-    listen_retry_ = nullptr;
+    listen_retry_.reset();
   }
   for (auto& [id, t] : transfers_) {
     t->finished = true;
@@ -136,9 +160,7 @@ void TcpTransport::close() {
   }
   transfers_.clear();
   pending_.clear();
-  table_ = ExposureTable{};
-  exposure_observers_.clear();
-  serving_.clear();
+  exposures_.clear();
   pool_.clear();
   conns_.clear();  // closes each socket; no handler calls
   graveyard_.clear();
@@ -150,7 +172,7 @@ void TcpTransport::close() {
 void TcpTransport::on_listen(uv_poll_t* handle, int status, int) {
   auto* self = static_cast<TcpTransport*>(handle->data);
   if (status < 0 || self == nullptr || self->closed_) return;
-  self->accept_all();
+  loop::guarded("tcp listener", [self] { self->accept_all(); });
 }
 
 void TcpTransport::accept_all() {
@@ -166,18 +188,22 @@ void TcpTransport::accept_all() {
       // moment instead of spinning, and say so once per pause.
       std::fprintf(stderr, "ferry: tcp accept failed (%s); pausing the listener for 100 ms\n",
                    socket_error_text(errno).c_str());
-      uv_poll_stop(listen_poll_);
+      uv_poll_stop(listen_poll_.get());
       uv_timer_start(
-          listen_retry_,
+          listen_retry_.get(),
           [](uv_timer_t* t) {
             auto* self = static_cast<TcpTransport*>(t->data);
-            if (self->listen_poll_ != nullptr)
-              uv_poll_start(self->listen_poll_, UV_READABLE, &TcpTransport::on_listen);
+            if (self != nullptr && self->listen_poll_)
+              uv_poll_start(self->listen_poll_.get(), UV_READABLE, &TcpTransport::on_listen);
           },
           100, 0);
       return;
     }
-    if (accepted_ >= options_.max_connections) {
+    // Connections that never claim an operation must not lock real peers out: past the
+    // bound, the oldest of them makes room.
+    if (!unclaimed_.empty() && unclaimed_.size() >= options_.max_unclaimed)
+      evict(unclaimed_.begin()->second, "too many connections that claim no operation");
+    if (accepted_ >= max_accepted_) {
       ::close(fd);
       continue;
     }
@@ -186,7 +212,40 @@ void TcpTransport::accept_all() {
     std::uint64_t id = next_conn_++;
     conns_[id] = std::make_unique<Connection>(loop_, handler(), Connection::Role::server, fd, id,
                                               peer.to_string(), options_.peer_timeout, false);
+    unclaimed_.emplace(id, id);
+    if (unclaimed_.size() == 1) arm_sweep();
   }
+}
+
+void TcpTransport::evict(std::uint64_t id, const std::string& why) {
+  unclaimed_.erase(id);
+  if (Connection* conn = find_conn(id))
+    conn->fail_after_notice(static_cast<std::uint32_t>(ErrorCode::AccessDenied), why);
+}
+
+void TcpTransport::arm_sweep() {
+  uv_timer_start(
+      sweep_.get(),
+      [](uv_timer_t* t) {
+        if (t->data != nullptr) static_cast<TcpTransport*>(t->data)->sweep();
+      },
+      static_cast<std::uint64_t>(options_.unclaimed_timeout.count()), 0);
+}
+
+void TcpTransport::sweep() {
+  // Connections accepted before the cut-off that still claim nothing are closed. The timer
+  // runs only while such connections exist, so an idle transport costs no wake-ups.
+  const auto now = std::chrono::steady_clock::now();
+  std::vector<std::uint64_t> stale;
+  for (const auto& [id, conn_id] : unclaimed_) {
+    Connection* conn = find_conn(conn_id);
+    if (conn != nullptr && now - conn->opened_at() >= options_.unclaimed_timeout)
+      stale.push_back(conn_id);
+  }
+  for (std::uint64_t id : stale)
+    evict(id, "no operation claimed within " + std::to_string(options_.unclaimed_timeout.count()) +
+                  " ms");
+  if (!unclaimed_.empty()) arm_sweep();
 }
 
 Connection* TcpTransport::find_conn(std::uint64_t id) {
@@ -210,6 +269,7 @@ void TcpTransport::erase_pending(std::uint64_t req) {
 
 void TcpTransport::bury(Connection& conn) {
   if (conn.role() == Connection::Role::server) --accepted_;
+  unclaimed_.erase(conn.id());
   auto it = conns_.find(conn.id());
   if (it == conns_.end()) return;
   // The connection may be on the stack below us; it is destroyed after this loop callback.
@@ -234,8 +294,8 @@ Connection::Sink TcpTransport::on_frame(Connection& conn, const FrameHeader& h,
 void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint64_t, bool intact) {
   if (conn.role() == Connection::Role::server) {
     // The end of a WRITE: answer it now that its bytes are in memory (or were refused).
-    if (intact && table_.find(h.op_id) != nullptr) {
-      serving_[h.op_id].bytes_written += h.len;
+    if (intact && exposures_.find(h.op_id) != nullptr) {
+      exposures_.landed(h.op_id, h.addr, h.len);
       reply_ok(conn, h.req_id);
       return;
     }
@@ -243,7 +303,7 @@ void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint6
       reply_status(conn, h.req_id, ErrorCode::AccessDenied, "empty write");
       return;
     }
-    auto v = table_.check(h.op_id, h.token, Access::write, h.addr, h.len, conn.id());
+    auto v = exposures_.check(h.op_id, h.token, Access::write, h.addr, h.len, conn.id());
     if (v.ok())
       reply_status(conn, h.req_id, ErrorCode::Cancelled, "the operation ended while bytes arrived");
     else
@@ -262,9 +322,7 @@ void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint6
 
 void TcpTransport::on_sent(Connection& conn, std::uint64_t tag) {
   if (conn.role() != Connection::Role::server) return;
-  auto it = serving_.find(tag);
-  if (it == serving_.end()) return;
-  if (--it->second.frames_queued == 0 && it->second.done_pending) finish_exposure(tag, {});
+  if (exposures_.sent(tag)) finish_exposure(tag, std::nullopt);
 }
 
 void TcpTransport::on_closed(Connection& conn, const std::string& reason) {
@@ -284,23 +342,8 @@ void TcpTransport::on_closed(Connection& conn, const std::string& reason) {
       t->conn = nullptr;  // the connection is about to be destroyed
     }
   } else {
-    std::vector<std::uint64_t> lost;
-    table_.for_each([&](ExposureTable::Entry& e) {
-      if (e.bound_to == conn.id()) lost.push_back(e.exposure.id);
-    });
-    for (std::uint64_t id : lost) {
-      table_.remove(id);
-      serving_.erase(id);
-      Error error(ErrorCode::PeerLost, "peer " + who + " disconnected: " + reason);
-      defer_([this, life = std::weak_ptr<int>(life_), id, error] {
-        if (life.expired()) return;
-        auto it = exposure_observers_.find(id);
-        if (it == exposure_observers_.end()) return;
-        ExposureObserver* observer = it->second;
-        exposure_observers_.erase(it);
-        observer->on_peer_lost(error);
-      });
-    }
+    exposures_.lose_connection(
+        conn.id(), Error(ErrorCode::PeerLost, "peer " + who + " disconnected: " + reason));
   }
   std::erase_if(pending_, [&](const auto& kv) { return kv.second.conn == conn.id(); });
   bury(conn);
@@ -309,30 +352,33 @@ void TcpTransport::on_closed(Connection& conn, const std::string& reason) {
 // ---------------------------------------------------------------------------------------
 // Server side: serving exposures
 
-void TcpTransport::expose(const Exposure& exposure, ExposureObserver& observer) {
+std::shared_ptr<const Registration> TcpTransport::register_memory(const Region& region) {
+  if (region.kind != MemoryKind::host)
+    throw Error(ErrorCode::Unsupported, "tcp moves host memory only");
+  return registrations_.acquire(region);
+}
+
+std::string TcpTransport::expose(const Exposure& exposure, ExposureObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  table_.add(exposure, observer);
-  exposure_observers_[exposure.id] = &observer;
+  exposures_.add(exposure, observer);
+  return {};
 }
 
 void TcpTransport::revoke(std::uint64_t id, const Error& reason) {
-  exposure_observers_.erase(id);
-  serving_.erase(id);
-  ExposureTable::Entry* entry = table_.find(id);
-  if (entry == nullptr) return;
-  std::uint64_t bound = entry->bound_to;
-  table_.remove(id);
-  if (bound == 0) return;
-  auto it = conns_.find(bound);
-  if (it == conns_.end()) return;
-  Connection& conn = *it->second;
-  // Read responses still queued become error answers; one partly sent finishes from a copy.
-  conn.release(id, [&](FrameHeader& h, std::string& message) {
+  if (std::uint64_t bound = exposures_.revoke(id); bound != 0) release_served(bound, id, reason);
+}
+
+void TcpTransport::release_served(std::uint64_t conn_id, std::uint64_t id, const Error& reason) {
+  Connection* conn = find_conn(conn_id);
+  if (conn == nullptr) return;
+  // Read responses still queued become error answers that tell the claimant why (one partly
+  // sent finishes from a copy); a payload being received is drained, not stored.
+  conn->release(id, [&](FrameHeader& h, std::string& message) {
     h.type = FrameType::status;
     h.status = static_cast<std::uint32_t>(reason.code());
     message = reason.message().substr(0, kMaxMessage);
   });
-  conn.drop_sink(id);
+  conn->drop_sink(id);
 }
 
 void TcpTransport::reply_status(Connection& conn, std::uint64_t req, ErrorCode code,
@@ -351,44 +397,25 @@ void TcpTransport::reply_ok(Connection& conn, std::uint64_t req) {
   conn.send(h);
 }
 
-void TcpTransport::claim(ExposureTable::Entry& entry, Connection& conn) {
-  if (!ExposureTable::claim(entry, conn.id(), conn.peer_name())) return;
-  std::uint64_t id = entry.exposure.id;
-  std::string peer = conn.describe_peer();
-  std::string peer_id = conn.peer_id();
-  defer_([this, life = std::weak_ptr<int>(life_), id, peer, peer_id] {
-    if (life.expired()) return;
-    auto it = exposure_observers_.find(id);
-    if (it != exposure_observers_.end()) it->second->on_claimed(caps_.method, peer, peer_id);
-  });
+void TcpTransport::claim(Exposures::Entry& entry, Connection& conn) {
+  auto secret =
+      exposures_.claim(entry, conn.id(), conn.peer_name(), conn.describe_peer(), conn.peer_id());
+  if (!secret) return;
+  unclaimed_.erase(conn.id());
+  // The claim's secret goes to the claimant alone, ahead of the answer to its request.
+  FrameHeader h;
+  h.type = FrameType::claimed;
+  h.op_id = entry.exposure.id;
+  h.token = *secret;
+  conn.send(h);
 }
 
 void TcpTransport::finish_exposure(std::uint64_t id, std::optional<Error> peer_error) {
-  ExposureTable::Entry* entry = table_.find(id);
-  std::string peer = entry != nullptr ? entry->peer : std::string();
-  if (entry != nullptr && entry->bound_to != 0) {
-    // Requests of this peer still queued (a peer that ended with an error may have left
-    // some) must not read the memory once the operation is over.
-    if (Connection* conn = find_conn(entry->bound_to)) {
-      Error reason = peer_error ? *peer_error : Error(ErrorCode::Cancelled, "the operation ended");
-      conn->release(id, [&](FrameHeader& h, std::string& message) {
-        h.type = FrameType::status;
-        h.status = static_cast<std::uint32_t>(reason.code());
-        message = reason.message().substr(0, kMaxMessage);
-      });
-      conn->drop_sink(id);
-    }
-  }
-  table_.remove(id);  // the token is dead from here on
-  serving_.erase(id);
-  defer_([this, life = std::weak_ptr<int>(life_), id, peer, peer_error] {
-    if (life.expired()) return;
-    auto it = exposure_observers_.find(id);
-    if (it == exposure_observers_.end()) return;
-    ExposureObserver* observer = it->second;
-    exposure_observers_.erase(it);
-    observer->on_peer_finished(peer, peer_error);
-  });
+  // Requests of this peer still queued (a peer that ended with an error may have left some)
+  // must not read the memory once the operation is over.
+  Error reason = peer_error ? *peer_error : Error(ErrorCode::Cancelled, "the operation ended");
+  if (std::uint64_t bound = exposures_.finish(id, std::move(peer_error)); bound != 0)
+    release_served(bound, id, reason);
 }
 
 Connection::Sink TcpTransport::serve_frame(Connection& conn, const FrameHeader& h,
@@ -430,13 +457,13 @@ void TcpTransport::serve_read(Connection& conn, const FrameHeader& h) {
                      std::to_string(options_.max_request) + " bytes");
     return;
   }
-  auto v = table_.check(h.op_id, h.token, Access::read, h.addr, h.len, conn.id());
+  auto v = exposures_.check(h.op_id, h.token, Access::read, h.addr, h.len, conn.id());
   if (!v.ok()) {
     reply_status(conn, h.req_id, v.code, v.message);
     return;
   }
   claim(*v.entry, conn);
-  ++serving_[h.op_id].frames_queued;
+  exposures_.sending(h.op_id);
   FrameHeader d;
   d.type = FrameType::data;
   d.req_id = h.req_id;
@@ -450,7 +477,7 @@ Connection::Sink TcpTransport::serve_write(Connection& conn, const FrameHeader& 
     return fatal("write of " + std::to_string(h.len) + " bytes exceeds the limit of " +
                  std::to_string(options_.max_request));
   if (h.len == 0) return {};
-  auto v = table_.check(h.op_id, h.token, Access::write, h.addr, h.len, conn.id());
+  auto v = exposures_.check(h.op_id, h.token, Access::write, h.addr, h.len, conn.id());
   if (!v.ok()) return {};  // discarded; on_payload answers with the refusal
   claim(*v.entry, conn);
   Connection::Sink sink;
@@ -466,17 +493,17 @@ void TcpTransport::serve_done(Connection& conn, const FrameHeader& h, const std:
     return;
   }
   auto access = static_cast<Access>(h.flags);
-  auto v = table_.check(h.op_id, h.token, access, 0, 0, conn.id());
+  auto v = exposures_.check(h.op_id, h.token, access, 0, 0, conn.id());
   if (!v.ok()) {
     reply_status(conn, h.req_id, v.code, v.message);
     return;
   }
   claim(*v.entry, conn);
   if (h.status == 0 && access == Access::write) {
-    // A writable is complete only when every byte it exposes was written.
-    std::uint64_t exposed = 0;
-    for (const Region& r : v.entry->exposure.regions) exposed += r.size;
-    std::uint64_t written = serving_[h.op_id].bytes_written;
+    // A writable is complete only when every byte it exposes was written at least once:
+    // bytes written twice do not count twice.
+    const std::uint64_t exposed = exposures_.exposed(h.op_id);
+    const std::uint64_t written = exposures_.written(h.op_id);
     if (written < exposed) {
       std::string why = "peer " + conn.describe_peer() + " said it was done after writing " +
                         std::to_string(written) + " of " + std::to_string(exposed) + " bytes";
@@ -487,12 +514,8 @@ void TcpTransport::serve_done(Connection& conn, const FrameHeader& h, const std:
   }
   reply_ok(conn, h.req_id);
   if (h.status == 0) {
-    auto& s = serving_[h.op_id];
     // A readable is done only once every byte it queued has left its memory.
-    if (access == Access::read && s.frames_queued > 0) {
-      s.done_pending = true;
-      return;
-    }
+    if (access == Access::read && !exposures_.done_reading(h.op_id)) return;
     finish_exposure(h.op_id, std::nullopt);
     return;
   }
@@ -632,6 +655,15 @@ Connection::Sink TcpTransport::client_frame(Connection& conn, const FrameHeader&
     return {};
   }
   switch (h.type) {
+    case FrameType::claimed:
+      // Meant for the transfer of this connection toward that operation (one at most: the
+      // owner binds an operation to one connection, and to one claim).
+      for (auto& [id, t] : transfers_)
+        if (t->conn == &conn && !t->finished && !t->secret && t->spec.remote_id == h.op_id) {
+          t->secret = h.token;
+          break;
+        }
+      return {};
     case FrameType::data: {
       auto it = pending_.find(h.req_id);
       if (it == pending_.end() || it->second.conn != conn.id()) {

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -11,7 +12,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "transport/exposure_table.hpp"
+#include "loop/uv_handle.hpp"
+#include "transport/exposures.hpp"
+#include "transport/registration_cache.hpp"
 #include "transport/tcp/connection.hpp"
 #include "transport/tcp/socket.hpp"
 #include "transport/transport.hpp"
@@ -33,6 +36,8 @@ class TcpTransport final : public Transport, private Connection::Handler {
     std::uint64_t window = 16u << 20;
     std::uint64_t max_request = 16u << 20;
     std::size_t max_connections = 4096;  ///< accepted ones; more are closed at once
+    std::size_t max_unclaimed = 256;     ///< accepted ones that claimed no operation yet
+    std::chrono::milliseconds unclaimed_timeout{10000};
     std::chrono::milliseconds peer_timeout{2000};
     std::string local_name;      ///< sent in HELLO, shown in peers' errors
     std::uint64_t local_id = 0;  ///< the connector's id, sent in HELLO
@@ -47,7 +52,8 @@ class TcpTransport final : public Transport, private Connection::Handler {
 
   const Capabilities& capabilities() const override { return caps_; }
   std::vector<Endpoint> endpoints() const override;
-  void expose(const Exposure& exposure, ExposureObserver& observer) override;
+  std::shared_ptr<const Registration> register_memory(const Region& region) override;
+  std::string expose(const Exposure& exposure, ExposureObserver& observer) override;
   void revoke(std::uint64_t id, const Error& reason) override;
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
   void close() override;
@@ -65,11 +71,6 @@ class TcpTransport final : public Transport, private Connection::Handler {
     std::uint64_t len = 0;
     std::uint64_t conn = 0;
   };
-  struct Serving {
-    std::uint64_t frames_queued = 0;  ///< DATA frames not yet fully written
-    bool done_pending = false;        ///< the peer said done; finish once frames_queued is 0
-    std::uint64_t bytes_written = 0;  ///< WRITE payload bytes that landed (writables)
-  };
 
   // Connection::Handler
   Connection::Sink on_frame(Connection& conn, const FrameHeader& h, std::string message) override;
@@ -82,7 +83,8 @@ class TcpTransport final : public Transport, private Connection::Handler {
   void serve_read(Connection& conn, const FrameHeader& h);
   Connection::Sink serve_write(Connection& conn, const FrameHeader& h);
   void serve_done(Connection& conn, const FrameHeader& h, const std::string& message);
-  void claim(ExposureTable::Entry& entry, Connection& conn);
+  void claim(Exposures::Entry& entry, Connection& conn);
+  void release_served(std::uint64_t conn_id, std::uint64_t id, const Error& reason);
   void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
   void reply_status(Connection& conn, std::uint64_t req, ErrorCode code, const std::string& msg);
   void reply_ok(Connection& conn, std::uint64_t req);
@@ -107,6 +109,9 @@ class TcpTransport final : public Transport, private Connection::Handler {
   // Listener.
   static void on_listen(uv_poll_t* handle, int status, int events);
   void accept_all();
+  void evict(std::uint64_t conn_id, const std::string& why);
+  void arm_sweep();
+  void sweep();
   void bury(Connection& conn);
 
   uv_loop_t* loop_;
@@ -117,9 +122,13 @@ class TcpTransport final : public Transport, private Connection::Handler {
   bool closed_ = false;
 
   int listen_fd_ = -1;
-  uv_poll_t* listen_poll_ = nullptr;
-  uv_timer_t* listen_retry_ = nullptr;  ///< resumes accepting after running out of fds
-  std::size_t accepted_ = 0;            ///< server connections open
+  loop::Poll listen_poll_;
+  loop::Timer listen_retry_;      ///< resumes accepting after running out of fds
+  std::size_t accepted_ = 0;      ///< server connections open
+  std::size_t max_accepted_ = 0;  ///< max_connections, within the descriptor limit
+  /// Server connections that have not claimed an operation yet, oldest (smallest id) first.
+  std::map<std::uint64_t, std::uint64_t> unclaimed_;
+  loop::Timer sweep_;  ///< closes unclaimed connections past their time
 
   std::uint64_t next_conn_ = 1;
   std::uint64_t next_req_ = 1;
@@ -128,9 +137,10 @@ class TcpTransport final : public Transport, private Connection::Handler {
   std::unordered_map<std::string, Connection*> pool_;  ///< client connections by address
   std::vector<std::unique_ptr<Connection>> graveyard_;
 
-  ExposureTable table_;
-  std::unordered_map<std::uint64_t, ExposureObserver*> exposure_observers_;
-  std::unordered_map<std::uint64_t, Serving> serving_;
+  Exposures exposures_;
+  /// Host memory needs no registration for tcp; the cache still answers for it, so that every
+  /// method registers the same way.
+  RegistrationCache registrations_{nullptr};
 
   std::unordered_map<std::uint64_t, TcpTransfer*> transfers_;
   std::unordered_map<std::uint64_t, Pending> pending_;

@@ -5,92 +5,21 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <ferry/descriptor.hpp>
 #include <ferry/operation.hpp>
+#include <ferry/options.hpp>
 #include <ferry/rdma_metadata.hpp>
-
-// libuv's loop type, declared here so that this header does not pull in uv.h.
-struct uv_loop_s;
 
 namespace ferry {
 
 namespace detail {
 class Core;
 }
-
-/// The TCP transport's settings.
-struct TcpOptions {
-  /// Address the listener binds to. Empty: the local address of the NATS connection's socket
-  /// (the interface that faces the cluster), or 127.0.0.1 without a side channel.
-  std::string bind_address;
-  /// Port of the listener; 0 picks a free one.
-  std::uint16_t port = 0;
-  /// Address put into metadata; empty: the bound address. Needed when binding a wildcard.
-  std::string advertise_address;
-  /// Largest request an active operation sends at once (its transfer is split into these).
-  std::size_t chunk_size = 2u << 20;
-  /// Bytes an active operation keeps requested but not yet done, per operation.
-  std::size_t window = 16u << 20;
-  /// Largest request the listener serves: a larger read is refused (AccessDenied); a larger
-  /// write ends the connection (ProtocolError), since its payload cannot be skipped safely.
-  std::size_t max_request = 16u << 20;
-};
-
-/// What happened to the NATS side channel's connection.
-enum class SideChannelEvent { disconnected, reconnected, closed, error };
-
-/// The NATS side channel's settings. Every string left empty is read from the environment
-/// variable named beside it (unless use_environment is false). With no server at all, the
-/// connector has no side channel: explicit metadata still works, subjects do not.
-struct NatsOptions {
-  /// Server URLs, e.g. "nats://10.0.0.5:4222"; several for a cluster. FERRY_NATS_URL
-  /// (comma-separated).
-  std::vector<std::string> servers;
-  std::string user;             ///< FERRY_NATS_USER
-  std::string password;         ///< FERRY_NATS_PASSWORD
-  std::string token;            ///< FERRY_NATS_TOKEN
-  std::string nkey_public;      ///< FERRY_NATS_NKEY: the public NKey ("U...")
-  std::string nkey_seed_file;   ///< FERRY_NATS_NKEY_SEED_FILE: the file holding its seed
-  std::string creds_file;       ///< FERRY_NATS_CREDS: a JWT + NKey credentials file
-  std::string tls_ca_file;      ///< FERRY_NATS_TLS_CA; any TLS file set turns TLS on
-  std::string tls_cert_file;    ///< FERRY_NATS_TLS_CERT
-  std::string tls_key_file;     ///< FERRY_NATS_TLS_KEY
-  std::string connection_name;  ///< FERRY_NATS_NAME; empty: the connector's name
-  /// Namespace of ferry's own subjects (reply inboxes, completion notices). FERRY_NATS_PREFIX.
-  std::string prefix;
-  std::chrono::milliseconds connect_timeout{2000};
-  /// Reconnect policy: wait between rounds over the server list, and how many rounds
-  /// (-1: forever).
-  std::chrono::milliseconds reconnect_wait{250};
-  int max_reconnect = -1;
-  /// How long one metadata request waits for an answer before it is sent again (requests
-  /// are retried until the operation's deadline).
-  std::chrono::milliseconds request_timeout{1000};
-  bool use_environment = true;
-  /// Called on the loop thread when the connection drops, comes back, closes or errs.
-  std::function<void(SideChannelEvent event, const std::string& detail)> on_event;
-};
-
-/// A Connector's settings.
-struct ConnectorOptions {
-  /// Shown in peers' errors and in metadata (at most 256 characters); empty: "ferry-<pid>".
-  std::string name;
-  /// Embedded mode: run on this caller-owned libuv loop instead of a thread of its own.
-  /// Construct and destroy the connector on the thread that runs this loop (ferry takes the
-  /// constructing thread to be the loop's), and keep running the loop while operations are
-  /// under way.
-  uv_loop_s* loop = nullptr;
-  /// Deadline for operations that set none; zero: no deadline.
-  std::chrono::milliseconds default_timeout{0};
-  /// How long a silent peer connection may stay unanswered before its operations are errored
-  /// with PeerLost; a peer whose process dies is noticed at once by its closed socket.
-  std::chrono::milliseconds peer_timeout{2000};
-  TcpOptions tcp;
-  NatsOptions nats;
-};
 
 /// A NATS subject at which a passive operation serves its metadata; begin_read/begin_write
 /// take one in place of metadata. Explicit, so that a subject is never mistaken for JSON.
@@ -119,8 +48,21 @@ class Connector {
   /// Exposes `local` for one peer to read. Throws InvalidArgument for an empty list,
   /// Unsupported for device memory this build cannot serve.
   ReadableOperation create_readable(std::vector<Descriptor> local, OperationOptions options = {});
-  /// Exposes `local` for one peer to write. Throws as create_readable does.
+  /// Exposes `local` for one peer to write. Throws as create_readable does, and
+  /// InvalidArgument for a read-only descriptor.
   WritableOperation create_writable(std::vector<Descriptor> local, OperationOptions options = {});
+  /// The same for one contiguous range of bytes (a std::vector<std::byte>, a std::span, ...).
+  /// Const memory cannot be made writable: that overload takes only mutable bytes.
+  template <class Bytes>
+  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>> ReadableOperation
+  create_readable(Bytes&& memory, OperationOptions options = {}) {
+    return create_readable_bytes(std::span<const std::byte>(memory), std::move(options));
+  }
+  template <class Bytes>
+  requires std::is_convertible_v<Bytes&&, std::span<std::byte>> WritableOperation
+  create_writable(Bytes&& memory, OperationOptions options = {}) {
+    return create_writable_bytes(std::span<std::byte>(memory), std::move(options));
+  }
 
   /// Reads the peer's readable operation described by `remote` into `local`. The two lists
   /// are matched as one byte stream (their lengths may differ, their totals may not).
@@ -144,6 +86,30 @@ class Connector {
   WriteOperation begin_write(std::vector<Descriptor> local, const Subject& subject,
                              OperationOptions options = {});
 
+  /// The four above for one contiguous range of bytes (reads need mutable memory).
+  template <class Bytes>
+  requires std::is_convertible_v<Bytes&&, std::span<std::byte>> ReadOperation
+  begin_read(const RdmaMetadata& remote, Bytes&& local, OperationOptions options = {}) {
+    return begin_read(remote, {bytes_descriptor(std::span<std::byte>(local))}, std::move(options));
+  }
+  template <class Bytes>
+  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>> WriteOperation
+  begin_write(Bytes&& local, const RdmaMetadata& remote, OperationOptions options = {}) {
+    return begin_write({bytes_descriptor(std::span<const std::byte>(local))}, remote,
+                       std::move(options));
+  }
+  template <class Bytes>
+  requires std::is_convertible_v<Bytes&&, std::span<std::byte>> ReadOperation
+  begin_read(const Subject& subject, Bytes&& local, OperationOptions options = {}) {
+    return begin_read(subject, {bytes_descriptor(std::span<std::byte>(local))}, std::move(options));
+  }
+  template <class Bytes>
+  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>> WriteOperation
+  begin_write(Bytes&& local, const Subject& subject, OperationOptions options = {}) {
+    return begin_write({bytes_descriptor(std::span<const std::byte>(local))}, subject,
+                       std::move(options));
+  }
+
   /// Whether this connector has a NATS side channel (and so can pair by subject). Any thread.
   bool has_side_channel() const noexcept;
 
@@ -153,6 +119,16 @@ class Connector {
   std::vector<Endpoint> endpoints() const;
 
  private:
+  ReadableOperation create_readable_bytes(std::span<const std::byte> memory,
+                                          OperationOptions options);
+  WritableOperation create_writable_bytes(std::span<std::byte> memory, OperationOptions options);
+  static Descriptor bytes_descriptor(std::span<std::byte> memory) {
+    return Descriptor(memory.data(), memory.size());
+  }
+  static Descriptor bytes_descriptor(std::span<const std::byte> memory) {
+    return Descriptor::read_only(memory.data(), memory.size());
+  }
+
   std::shared_ptr<detail::Core> core_;
 };
 

@@ -17,21 +17,35 @@ class Descriptor {
   /// Throws Error(InvalidArgument) when `ptr` is null or `size` is zero.
   Descriptor(void* ptr, std::size_t size, Device device = Device::host());
 
-  /// A view of a span of trivially copyable elements in host memory.
+  /// A view of a span of trivially copyable elements in host memory. A span of const
+  /// elements gives a read-only descriptor: it may be read by a peer or written to a peer,
+  /// never exposed as writable or read into (InvalidArgument at that call).
   template <class T>
   requires std::is_trivially_copyable_v<T>
   explicit Descriptor(std::span<T> elements)
-      : Descriptor(const_cast<std::remove_const_t<T>*>(elements.data()), elements.size_bytes()) {}
+      : Descriptor(const_cast<std::remove_const_t<T>*>(elements.data()), elements.size_bytes()) {
+    read_only_ = std::is_const_v<T>;
+  }
+
+  /// A read-only descriptor (see above) of `size` bytes at `ptr`.
+  static Descriptor read_only(const void* ptr, std::size_t size, Device device = Device::host()) {
+    Descriptor d(const_cast<void*>(ptr), size, device);
+    d.read_only_ = true;
+    return d;
+  }
 
   void* ptr() const noexcept { return ptr_; }
   std::byte* bytes() const noexcept { return static_cast<std::byte*>(ptr_); }
   std::size_t size() const noexcept { return size_; }
   const Device& device() const noexcept { return device_; }
+  /// Whether the memory must not be written by ferry (see the span constructor).
+  bool is_read_only() const noexcept { return read_only_; }
 
  private:
   void* ptr_;
   std::size_t size_;
   Device device_;
+  bool read_only_ = false;
 };
 
 }  // namespace ferry

@@ -7,4 +7,5 @@
 #include <ferry/error.hpp>
 #include <ferry/operation.hpp>
 #include <ferry/operation_status.hpp>
+#include <ferry/options.hpp>
 #include <ferry/rdma_metadata.hpp>

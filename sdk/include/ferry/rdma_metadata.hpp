@@ -11,10 +11,12 @@
 namespace ferry {
 
 /// One way to reach the owner of a passive operation: a method ("tcp", ...) and its address
-/// in that method's form ("127.0.0.1:41234", "[::1]:41234").
+/// in that method's form ("127.0.0.1:41234", "[::1]:41234"), plus what else that method needs
+/// to reach this operation's memory (`info`: remote keys, say; empty for tcp).
 struct Endpoint {
   std::string method;
   std::string address;
+  std::string info{};
   friend bool operator==(const Endpoint&, const Endpoint&) = default;
 };
 
@@ -43,10 +45,14 @@ struct PeerIdentity {
 /// version, a missing field, a wrong type, an unknown kind, a zero-size or overflowing range.
 struct RdmaMetadata {
   static constexpr int kVersion = 1;
-  /// Longest JSON document from_json accepts, and most descriptors and endpoints.
-  static constexpr std::size_t kMaxJsonBytes = 64u << 20;
-  static constexpr std::size_t kMaxDescriptors = 1u << 20;
-  static constexpr std::size_t kMaxEndpoints = 64;
+  /// Longest JSON document from_json accepts, and most descriptors and endpoints. Sized for
+  /// what a NATS message carries (a server's max_payload is 1 MiB by default, 64 MiB at most)
+  /// and what sane use needs (a KV cache of 1024 blocks is about 80 KiB of JSON), so that
+  /// parsing a hostile document stays within milliseconds and a few tens of MiB.
+  static constexpr std::size_t kMaxJsonBytes = 4u << 20;
+  static constexpr std::size_t kMaxDescriptors = 1u << 16;
+  static constexpr std::size_t kMaxEndpoints = 16;
+  static constexpr std::size_t kMaxEndpointInfo = 4096;
 
   int version = kVersion;
   /// `read` for a readable operation, `write` for a writable one.

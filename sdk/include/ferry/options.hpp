@@ -1,0 +1,104 @@
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+// libuv's loop type, declared here so that this header does not pull in uv.h.
+struct uv_loop_s;
+
+namespace ferry {
+
+/// The TCP transport's settings.
+struct TcpOptions {
+  /// Address the listener binds to. Empty: the local address of the NATS connection's socket
+  /// (the interface that faces the cluster), or 127.0.0.1 without a side channel.
+  std::string bind_address;
+  /// Port of the listener; 0 picks a free one.
+  std::uint16_t port = 0;
+  /// Address put into metadata; empty: the bound address. Needed when binding a wildcard.
+  std::string advertise_address;
+  /// Largest request an active operation sends at once (its transfer is split into these).
+  std::size_t chunk_size = 2u << 20;
+  /// Bytes an active operation keeps requested but not yet done, per operation.
+  std::size_t window = 16u << 20;
+  /// Largest request the listener serves: a larger read is refused (AccessDenied); a larger
+  /// write ends the connection (ProtocolError), since its payload cannot be skipped safely.
+  std::size_t max_request = 16u << 20;
+  /// Most connections the listener keeps open at once; also kept below the process's
+  /// descriptor limit (RLIMIT_NOFILE), less a reserve for everything else.
+  std::size_t max_connections = 4096;
+  /// Most accepted connections that have not yet claimed an operation (after HELLO, or
+  /// before); past it the oldest such connection is closed to make room.
+  std::size_t max_unclaimed = 256;
+  /// How long an accepted connection may stay open without claiming an operation, and
+  /// without an operation of its own under way, before it is closed.
+  std::chrono::milliseconds unclaimed_timeout{10000};
+};
+
+/// What happened to the NATS side channel's connection.
+enum class SideChannelEvent { disconnected, reconnected, closed, error };
+
+/// The NATS side channel's settings. Every string left empty is read from the environment
+/// variable named beside it (unless use_environment is false). With no server at all, the
+/// connector has no side channel: explicit metadata still works, subjects do not.
+struct NatsOptions {
+  /// Server URLs, e.g. "nats://10.0.0.5:4222"; several for a cluster. FERRY_NATS_URL
+  /// (comma-separated).
+  std::vector<std::string> servers;
+  std::string user;             ///< FERRY_NATS_USER
+  std::string password;         ///< FERRY_NATS_PASSWORD
+  std::string token;            ///< FERRY_NATS_TOKEN
+  std::string nkey_public;      ///< FERRY_NATS_NKEY: the public NKey ("U...")
+  std::string nkey_seed_file;   ///< FERRY_NATS_NKEY_SEED_FILE: the file holding its seed
+  std::string creds_file;       ///< FERRY_NATS_CREDS: a JWT + NKey credentials file
+  std::string tls_ca_file;      ///< FERRY_NATS_TLS_CA; any TLS file set turns TLS on
+  std::string tls_cert_file;    ///< FERRY_NATS_TLS_CERT
+  std::string tls_key_file;     ///< FERRY_NATS_TLS_KEY
+  std::string connection_name;  ///< FERRY_NATS_NAME; empty: the connector's name
+  /// Namespace of ferry's own subjects (reply inboxes, completion notices). FERRY_NATS_PREFIX.
+  std::string prefix;
+  std::chrono::milliseconds connect_timeout{2000};
+  /// Reconnect policy: wait between rounds over the server list, and how many rounds
+  /// (-1: forever).
+  std::chrono::milliseconds reconnect_wait{250};
+  int max_reconnect = -1;
+  /// How long one metadata request waits for an answer before it is sent again (requests
+  /// are retried until the operation's deadline).
+  std::chrono::milliseconds request_timeout{1000};
+  bool use_environment = true;
+  /// Called on the loop thread when the connection drops, comes back, closes or errs.
+  std::function<void(SideChannelEvent event, const std::string& detail)> on_event;
+};
+
+/// A Connector's settings.
+struct ConnectorOptions {
+  /// Shown in peers' errors and in metadata (at most 256 characters); empty: "ferry-<pid>".
+  std::string name;
+  /// Embedded mode: run on this caller-owned libuv loop instead of a thread of its own.
+  /// Construct and destroy the connector on the thread that runs this loop (ferry takes the
+  /// constructing thread to be the loop's), and keep running the loop while operations are
+  /// under way.
+  uv_loop_s* loop = nullptr;
+  /// Deadline for operations that set none; zero: no deadline.
+  std::chrono::milliseconds default_timeout{0};
+  /// How long a silent peer connection may stay unanswered before its operations are errored
+  /// with PeerLost; a peer whose process dies is noticed at once by its closed socket.
+  std::chrono::milliseconds peer_timeout{2000};
+  /// The methods this connector may use, by name ("tcp", ...), as offered and as chosen;
+  /// empty: every method built and available here. FERRY_TRANSPORTS (comma-separated) when
+  /// empty and use_environment is set in `nats`.
+  std::vector<std::string> transports;
+  /// Networks a peer's endpoint address must lie in before this connector connects to it, as
+  /// CIDRs ("10.0.0.0/8", "::1/128"); empty: any. Metadata names the address to connect to:
+  /// without a list, whoever can hand metadata to this connector can make it connect anywhere
+  /// (see docs/design.md, "Trust").
+  std::vector<std::string> endpoint_allow;
+  TcpOptions tcp;
+  NatsOptions nats;
+};
+
+}  // namespace ferry

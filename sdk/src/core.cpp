@@ -1,0 +1,264 @@
+#include "sdk/src/core.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <limits>
+
+#include "loop/ids.hpp"
+#include "sdk/src/active_operation.hpp"
+#include "sdk/src/options.hpp"
+#include "sdk/src/passive_operation.hpp"
+#include "sdk/src/subject_pairing.hpp"
+#include "sdk/src/transport_registry.hpp"
+#include "transport/exposure_table.hpp"
+
+namespace ferry::detail {
+
+namespace {
+
+std::string host_name() {
+  char buf[HOST_NAME_MAX + 1] = {};
+  if (gethostname(buf, sizeof buf - 1) != 0) return "unknown";
+  return loop::sanitized_utf8(buf);
+}
+
+std::uint64_t total_of(const std::vector<Descriptor>& local) {
+  std::uint64_t total = 0;
+  for (const auto& d : local) total += d.size();
+  return total;
+}
+
+}  // namespace
+
+void check_local(const std::vector<Descriptor>& local) {
+  if (local.empty()) throw Error(ErrorCode::InvalidArgument, "the descriptor list is empty");
+  if (local.size() > RdmaMetadata::kMaxDescriptors)
+    throw Error(ErrorCode::InvalidArgument, "the list holds " + std::to_string(local.size()) +
+                                                " descriptors; metadata carries at most " +
+                                                std::to_string(RdmaMetadata::kMaxDescriptors));
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    if (local[i].device().kind() != DeviceKind::host)
+      throw Error(ErrorCode::Unsupported, "descriptor " + std::to_string(i) + " is on " +
+                                              local[i].device().to_string() +
+                                              "; this build moves host memory only");
+    if (local[i].size() > std::numeric_limits<std::uint64_t>::max() - total)
+      throw Error(ErrorCode::InvalidArgument, "the descriptors' total size overflows");
+    total += local[i].size();
+  }
+}
+
+void check_remote(const RdmaMetadata& remote, OperationKind wanted,
+                  const std::vector<Descriptor>& local) {
+  remote.validate();
+  if (remote.operation_kind != wanted) {
+    const char* call = wanted == OperationKind::read ? "begin_read" : "begin_write";
+    const char* have = remote.operation_kind == OperationKind::read ? "readable" : "writable";
+    const char* need = wanted == OperationKind::read ? "readable" : "writable";
+    throw Error(ErrorCode::KindMismatch, std::string(call) + " needs the metadata of a " + need +
+                                             " operation (kind " + std::string(to_string(wanted)) +
+                                             "), got a " + have + "'s (kind " +
+                                             std::string(to_string(remote.operation_kind)) + ")");
+  }
+  check_local(local);
+  if (remote.total_size() != total_of(local))
+    throw Error(ErrorCode::SizeMismatch,
+                "the remote descriptors hold " + std::to_string(remote.total_size()) +
+                    " bytes, the local ones " + std::to_string(total_of(local)));
+}
+
+RdmaMetadata coalesced(const RdmaMetadata& m) {
+  RdmaMetadata out = m;
+  out.descriptors.clear();
+  for (const RemoteDescriptor& d : m.descriptors) {
+    if (!out.descriptors.empty()) {
+      RemoteDescriptor& last = out.descriptors.back();
+      if (last.device == d.device && last.ptr + last.size == d.ptr) {
+        last.size += d.size;
+        continue;
+      }
+    }
+    out.descriptors.push_back(d);
+  }
+  return out;
+}
+
+Core::Core(ConnectorOptions opts)
+    : options(std::move(opts)), allow(options.endpoint_allow), next_id_(loop::random_u64() >> 16) {
+  identity.name = options.name.empty() ? "ferry-" + std::to_string(::getpid()) : options.name;
+  identity.id = loop::hex16(loop::random_u64());
+  identity.host = host_name();
+  identity.pid = ::getpid();
+  if (identity.name.size() > 256)
+    throw Error(ErrorCode::InvalidArgument, "the connector's name is longer than 256 characters");
+  check_text(identity.name, "the connector's name", 256);
+  if (options.peer_timeout.count() <= 0)
+    throw Error(ErrorCode::InvalidArgument, "peer_timeout must be positive");
+  if (options.default_timeout.count() < 0)
+    throw Error(ErrorCode::InvalidArgument, "default_timeout must not be negative");
+}
+
+void Core::start() {
+  NatsOptions nats_options = resolve(options.nats, identity.name);
+  const std::vector<std::string> wanted = resolve_transports(options);
+  loop = std::make_unique<loop::EventLoop>(options.loop);
+  try {
+    loop->call([&] {
+      TransportContext context;
+      context.loop = loop->uv();
+      context.defer = [this](std::function<void()> task) { loop->defer(std::move(task)); };
+      context.options = &options;
+      context.identity = &identity;
+      context.bind_address = options.tcp.bind_address;
+      if (!nats_options.servers.empty()) {
+        nats = std::make_unique<sidechannel::NatsChannel>(*loop, nats_options, identity.id);
+        has_nats = true;
+        nats_prefix = nats_options.prefix;
+        // Peers reach us where the cluster reaches us: the NATS socket's own interface.
+        if (context.bind_address.empty()) context.bind_address = nats->local_ip();
+        nats->subscribe(nats->own_subject("notify." + identity.id), {},
+                        [this](const sidechannel::Message& m) { pairing::on_notice(*this, m); });
+      }
+      if (context.bind_address.empty()) context.bind_address = "127.0.0.1";
+      for (const TransportFactory& factory : transport_factories()) {
+        if (!wanted.empty() &&
+            std::find(wanted.begin(), wanted.end(), factory.method) == wanted.end()) {
+          absent.emplace_back(factory.method, "left out by the transports option");
+          continue;
+        }
+        std::string why;
+        auto t = factory.make(context, why);
+        if (!t) {
+          absent.emplace_back(factory.method, why);
+          continue;
+        }
+        transports.push_back(std::move(t));
+      }
+      // Best first, so that metadata lists its endpoints in the order a peer should try them.
+      std::stable_sort(transports.begin(), transports.end(), [](const auto& a, const auto& b) {
+        return a->capabilities().rank > b->capabilities().rank;
+      });
+      if (transports.empty()) {
+        std::string why;
+        for (const auto& [method, reason] : absent)
+          why += (why.empty() ? "" : "; ") + method + ": " + reason;
+        throw Error(ErrorCode::Unsupported, "no transfer method is available here (" + why + ")");
+      }
+      for (const auto& t : transports)
+        for (auto& e : t->endpoints()) endpoints.push_back(std::move(e));
+    });
+  } catch (...) {
+    loop->close([this] {
+      for (auto& t : transports) t->close();
+      transports.clear();
+      nats.reset();
+    });
+    throw;
+  }
+}
+
+void Core::shutdown() noexcept {
+  if (!loop) return;
+  loop->close([this] {
+    closed = true;
+    std::vector<std::shared_ptr<OperationState>> ops;
+    for (auto& [id, weak] : live)
+      if (auto op = weak.lock()) ops.push_back(std::move(op));
+    for (auto& op : ops)
+      op->finish(OperationStatus::cancelled,
+                 Error(ErrorCode::Cancelled, "the connector was closed"));
+    for (auto& t : transports) t->close();
+    transports.clear();
+    // Last, and without blocking the loop: the cancelled operations' completion notices
+    // still leave, then the connection closes.
+    if (nats) sidechannel::NatsChannel::close(std::move(nats));
+  });
+}
+
+std::chrono::milliseconds Core::effective_timeout(const OperationOptions& o) const {
+  if (o.timeout.count() < 0)
+    throw Error(ErrorCode::InvalidArgument, "OperationOptions::timeout must not be negative");
+  return o.timeout.count() > 0 ? o.timeout : options.default_timeout;
+}
+
+std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(
+    const RdmaMetadata& remote, const std::vector<Descriptor>&) {
+  std::vector<Endpoint> reachable;
+  std::string refused;
+  for (const Endpoint& e : remote.endpoints) {
+    if (allow.allows(e.address))
+      reachable.push_back(e);
+    else
+      refused += (refused.empty() ? "" : ", ") + e.method + " " + e.address;
+  }
+  if (reachable.empty())
+    throw Error(ErrorCode::AccessDenied, "peer '" + remote.owner.name +
+                                             "' offers only endpoints "
+                                             "outside ConnectorOptions::endpoint_allow (" +
+                                             refused + ")");
+  std::vector<transport::Capabilities> caps;
+  for (const auto& t : transports) caps.push_back(t->capabilities());
+  transport::MethodSelector::Needs needs;
+  needs.peer = remote.owner.id;
+  needs.peer_name = remote.owner.name;
+  needs.same_host = remote.owner.host == identity.host;
+  std::vector<std::pair<transport::Transport*, Endpoint>> out;
+  for (auto& c : selector.choose(caps, reachable, needs))
+    out.emplace_back(transports[c.local].get(), std::move(c.endpoint));
+  return out;
+}
+
+std::shared_ptr<PassiveOperation> Core::create_passive(OperationKind kind,
+                                                       std::vector<Descriptor> local,
+                                                       std::chrono::milliseconds timeout,
+                                                       const std::string& subject) {
+  if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
+  auto op =
+      std::make_shared<PassiveOperation>(shared_from_this(), next_id(), kind, std::move(local));
+  op->expose(transport::random_token());
+  if (!subject.empty()) {
+    std::string document;
+    try {
+      document = pairing::document(*this, *op);
+    } catch (const Error& e) {
+      // Refused before anyone could see it: nothing stays exposed.
+      op->finish(OperationStatus::errored, e);
+      throw;
+    }
+    pairing::serve(*this, *op, subject, std::move(document));
+  }
+  op->set_status(OperationStatus::initialized);
+  op->arm(timeout);
+  return op;
+}
+
+std::shared_ptr<ActiveOperation> Core::begin_active(const RdmaMetadata& remote,
+                                                    std::vector<Descriptor> local,
+                                                    std::chrono::milliseconds timeout) {
+  if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
+  auto op = std::make_shared<ActiveOperation>(shared_from_this(), next_id(), remote.operation_kind,
+                                              std::move(local));
+  op->set_status(OperationStatus::in_progress);
+  op->start(remote);
+  op->arm(timeout);
+  return op;
+}
+
+std::shared_ptr<ActiveOperation> Core::begin_by_subject(OperationKind kind,
+                                                        const std::string& subject,
+                                                        std::vector<Descriptor> local,
+                                                        std::chrono::milliseconds timeout) {
+  if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
+  auto op =
+      std::make_shared<ActiveOperation>(shared_from_this(), next_id(), kind, std::move(local));
+  op->asking.emplace();
+  op->asking->subject = subject;
+  op->set_status(OperationStatus::in_progress);
+  op->arm(timeout);
+  pairing::ask(*op);
+  return op;
+}
+
+}  // namespace ferry::detail

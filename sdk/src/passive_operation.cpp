@@ -1,0 +1,84 @@
+#include "sdk/src/passive_operation.hpp"
+
+#include "loop/ids.hpp"
+#include "sdk/src/core.hpp"
+#include "sdk/src/subject_pairing.hpp"
+#include "transport/exposure_table.hpp"
+
+namespace ferry::detail {
+
+PassiveOperation::PassiveOperation(std::shared_ptr<Core> core_, std::uint64_t id_,
+                                   OperationKind kind_, std::vector<Descriptor> local_)
+    : OperationState(std::move(core_), id_, kind_, true, std::move(local_)) {}
+
+void PassiveOperation::expose(const transport::Token& token) {
+  transport::Exposure exposure;
+  exposure.id = id;
+  exposure.token = token;
+  exposure.access =
+      kind == OperationKind::read ? transport::Access::read : transport::Access::write;
+  RdmaMetadata& m = metadata;
+  m.operation_kind = kind;
+  m.notification_key = id_hex;
+  m.owner = core->identity;
+  m.token = transport::token_to_hex(token);
+  for (const Descriptor& d : local) {
+    m.descriptors.push_back({reinterpret_cast<std::uint64_t>(d.ptr()), d.size(), d.device()});
+    exposure.regions.push_back({d.bytes(), d.size(), transport::MemoryKind::host});
+  }
+  try {
+    for (const auto& t : core->transports) {
+      for (const transport::Region& r : exposure.regions)
+        registrations_.push_back(t->register_memory(r));
+      std::string info = t->expose(exposure, *this);
+      exposed_on_.push_back(t.get());
+      for (const Endpoint& e : t->endpoints()) {
+        m.endpoints.push_back(e);
+        m.endpoints.back().info = info;
+      }
+    }
+  } catch (...) {
+    release(OperationStatus::errored, Error(ErrorCode::Cancelled, "the operation was refused"));
+    throw;
+  }
+}
+
+bool PassiveOperation::accepts_notice(const std::string& token_hex,
+                                      const std::string& claim_hex) const {
+  transport::Token presented{};
+  transport::Token expected{};
+  if (!transport::token_from_hex(token_hex, presented) ||
+      !transport::token_from_hex(metadata.token, expected) ||
+      !transport::tokens_equal(presented, expected))
+    return false;
+  // Whoever holds the metadata may send a notice while nobody has claimed the operation;
+  // once a peer has, only a notice carrying the secret the owner handed to that claim.
+  if (!claim_) return true;
+  transport::Token claim{};
+  return transport::token_from_hex(claim_hex, claim) &&
+         transport::tokens_equal(claim, claim_->secret);
+}
+
+void PassiveOperation::release(OperationStatus, const Error& reason) {
+  for (transport::Transport* t : exposed_on_) t->revoke(id, reason);
+  exposed_on_.clear();
+  registrations_.clear();
+  pairing::stop_serving(*core, *this);
+}
+
+void PassiveOperation::on_claimed(const transport::Claim& claim) {
+  set_method(claim.method);
+  claim_ = claim;
+  if (status() == OperationStatus::initialized) set_status(OperationStatus::in_progress);
+}
+
+void PassiveOperation::on_peer_finished(const std::string&, const std::optional<Error>& error) {
+  if (error)
+    finish(OperationStatus::errored, *error);
+  else
+    finish(OperationStatus::complete, std::nullopt);
+}
+
+void PassiveOperation::on_peer_lost(const Error& error) { finish(OperationStatus::errored, error); }
+
+}  // namespace ferry::detail

@@ -1,0 +1,49 @@
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ferry/options.hpp>
+#include <ferry/rdma_metadata.hpp>
+
+#include "transport/transport.hpp"
+
+struct uv_loop_s;
+
+namespace ferry::detail {
+
+/// What a transport is built from: the connector's loop, its settings and identity.
+struct TransportContext {
+  uv_loop_s* loop = nullptr;
+  /// Runs a task after the current loop callback (EventLoop::defer).
+  std::function<void(std::function<void()>)> defer;
+  const ConnectorOptions* options = nullptr;
+  const PeerIdentity* identity = nullptr;
+  /// The address to listen on for network methods: TcpOptions::bind_address, else the NATS
+  /// socket's local address, else 127.0.0.1.
+  std::string bind_address;
+};
+
+/// How to make one method's transport. `make` returns null and says why in `why` when this
+/// host cannot offer the method (no device, not permitted); it throws Error for bad options.
+struct TransportFactory {
+  std::string method;
+  std::function<std::unique_ptr<transport::Transport>(const TransportContext& context,
+                                                      std::string& why)>
+      make;
+};
+
+/// The methods this library has, then those added by add_transport_factory, in that order.
+/// Every connector starts one transport per factory, unless ConnectorOptions::transports
+/// leaves it out. Any thread.
+std::vector<TransportFactory> transport_factories();
+
+/// Adds a method for connectors created from now on, in this process (tests add a fake
+/// transport this way). Replaces a factory of the same method added before. Any thread.
+void add_transport_factory(TransportFactory factory);
+/// Removes a method added by add_transport_factory. Any thread.
+void remove_transport_factory(const std::string& method);
+
+}  // namespace ferry::detail

@@ -1,0 +1,114 @@
+#include "transport/exposures.hpp"
+
+namespace ferry::transport {
+
+Exposures::Exposures(std::string method, Defer defer)
+    : method_(std::move(method)), defer_(std::move(defer)) {}
+
+Exposures::~Exposures() = default;
+
+void Exposures::add(const Exposure& exposure, ExposureObserver& observer) {
+  table_.add(exposure, observer);
+  extra_[exposure.id].observer = &observer;
+}
+
+void Exposures::notify(std::uint64_t id, std::function<void(ExposureObserver&)> call, bool last) {
+  // Looked up when the call runs, not now: revoke() in between removes the observer, and
+  // nothing is called after it.
+  defer_([this, life = std::weak_ptr<int>(life_), id, call = std::move(call), last] {
+    if (life.expired()) return;
+    auto it = extra_.find(id);
+    if (it == extra_.end() || it->second.observer == nullptr) return;
+    ExposureObserver* observer = it->second.observer;
+    if (last) extra_.erase(it);
+    call(*observer);
+  });
+}
+
+std::optional<Token> Exposures::claim(Entry& entry, std::uint64_t conn, const std::string& name,
+                                      const std::string& description, const std::string& peer_id) {
+  if (!ExposureTable::claim(entry, conn, name)) return std::nullopt;
+  Claim c;
+  c.method = method_;
+  c.peer = description;
+  c.peer_id = peer_id;
+  c.secret = random_token();
+  notify(
+      entry.exposure.id, [c](ExposureObserver& o) { o.on_claimed(c); }, false);
+  return c.secret;
+}
+
+void Exposures::landed(std::uint64_t id, std::uint64_t addr, std::uint64_t len) {
+  if (auto it = extra_.find(id); it != extra_.end()) it->second.written.add(addr, len);
+}
+
+std::uint64_t Exposures::written(std::uint64_t id) const {
+  auto it = extra_.find(id);
+  return it == extra_.end() ? 0 : it->second.written.covered();
+}
+
+std::uint64_t Exposures::exposed(std::uint64_t id) const {
+  const Entry* entry = const_cast<ExposureTable&>(table_).find(id);
+  if (entry == nullptr) return 0;
+  std::uint64_t total = 0;
+  for (const Region& r : entry->spans) total += r.size;
+  return total;
+}
+
+void Exposures::sending(std::uint64_t id) {
+  if (auto it = extra_.find(id); it != extra_.end()) ++it->second.sends;
+}
+
+bool Exposures::sent(std::uint64_t id) {
+  auto it = extra_.find(id);
+  if (it == extra_.end() || it->second.sends == 0) return false;
+  return --it->second.sends == 0 && it->second.done_pending && table_.find(id) != nullptr;
+}
+
+bool Exposures::done_reading(std::uint64_t id) {
+  auto it = extra_.find(id);
+  if (it == extra_.end()) return true;
+  if (it->second.sends == 0) return true;
+  it->second.done_pending = true;
+  return false;
+}
+
+std::uint64_t Exposures::finish(std::uint64_t id, std::optional<Error> error) {
+  Entry* entry = table_.find(id);
+  if (entry == nullptr) return 0;
+  const std::uint64_t bound = entry->bound_to;
+  const std::string peer = entry->peer;
+  table_.remove(id);  // the token is dead from here on
+  notify(
+      id, [peer, error](ExposureObserver& o) { o.on_peer_finished(peer, error); }, true);
+  return bound;
+}
+
+std::uint64_t Exposures::revoke(std::uint64_t id) {
+  extra_.erase(id);
+  Entry* entry = table_.find(id);
+  if (entry == nullptr) return 0;
+  const std::uint64_t bound = entry->bound_to;
+  table_.remove(id);
+  return bound;
+}
+
+void Exposures::lose_connection(std::uint64_t conn, const Error& error) {
+  std::vector<std::uint64_t> lost;
+  table_.for_each([&](Entry& e) {
+    if (e.bound_to == conn) lost.push_back(e.exposure.id);
+  });
+  for (std::uint64_t id : lost) {
+    table_.remove(id);
+    notify(
+        id, [error](ExposureObserver& o) { o.on_peer_lost(error); }, true);
+  }
+}
+
+void Exposures::clear() {
+  table_ = ExposureTable{};
+  extra_.clear();
+  life_ = std::make_shared<int>(0);
+}
+
+}  // namespace ferry::transport

@@ -1,0 +1,68 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+
+#include "transport/memory.hpp"
+
+namespace ferry::transport {
+
+/// One registered address range of a method. What the method keeps for it (an RDMA memory
+/// region, say) lives in `handle` and is released, by the handle's deleter, when the last
+/// Registration referring to it is gone and the cache has let go of it.
+struct Registration {
+  std::uint64_t base = 0;
+  std::uint64_t size = 0;
+  MemoryKind kind = MemoryKind::host;
+  std::shared_ptr<void> handle;  ///< the method's own; null for methods that need none
+  bool covers(std::uint64_t addr, std::uint64_t len) const noexcept {
+    return addr >= base && len <= size && addr - base <= size - len;
+  }
+};
+
+/// A method's registrations keyed by address range. A range inside one already registered
+/// reuses it; a range that overlaps registered ones without fitting inside one is registered
+/// as the union of them all, which then replaces them in the index (holders of the old ones
+/// keep them until they let go). Unused registrations stay cached, most recently used first,
+/// up to `max_idle`; beyond that the least recently used are released.
+///
+/// Loop thread only (not thread-safe). Destructor: drops the index; registrations still held
+/// live on until their holders let go.
+class RegistrationCache {
+ public:
+  /// Registers `region` with the method; returns its handle (null when the method needs
+  /// none). Throws Error to refuse.
+  using RegisterFn = std::function<std::shared_ptr<void>(const Region& region)>;
+
+  explicit RegistrationCache(RegisterFn register_fn, std::size_t max_idle = 64);
+
+  /// A registration covering `region`; throws what the method throws.
+  std::shared_ptr<const Registration> acquire(const Region& region);
+  /// The cached registration covering [addr, addr + len), or null.
+  std::shared_ptr<const Registration> find(std::uint64_t addr, std::uint64_t len) const;
+  /// Forgets every registration overlapping `region` (its memory is being freed): later
+  /// acquires register anew. Holders keep theirs.
+  void invalidate(const Region& region);
+
+  std::size_t size() const noexcept { return index_.size(); }
+  /// How many times the method was asked to register (for tests and statistics).
+  std::uint64_t registrations() const noexcept { return registered_; }
+
+ private:
+  struct Slot {
+    std::shared_ptr<const Registration> reg;
+    std::uint64_t last_use = 0;
+  };
+  void trim();
+
+  RegisterFn register_fn_;
+  std::size_t max_idle_;
+  std::map<std::uint64_t, Slot> index_;  // by base; the ranges are disjoint
+  std::uint64_t clock_ = 0;
+  std::uint64_t registered_ = 0;
+};
+
+}  // namespace ferry::transport
