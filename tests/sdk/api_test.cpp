@@ -4,6 +4,8 @@
 #include <ferry/ferry.hpp>
 
 #include <functional>
+#include <span>
+#include <thread>
 
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
@@ -169,6 +171,104 @@ TEST(ConnectorOptions, BadOptionsAreRefused) {
   o.tcp.chunk_size = 1 << 20;
   o.tcp.window = 1 << 10;
   expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "tcp.window");
+}
+
+TEST(ConnectorOptions, NamesMustBeValidUtf8) {
+  for (std::string bad :
+       {std::string("caf\xe9"), std::string("a\xc0\xaf"), std::string("line\nbreak")}) {
+    ConnectorOptions o = test::named(bad);
+    expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "connector's name");
+  }
+  ConnectorOptions ok = test::named("caf\xc3\xa9");  // valid UTF-8 stays allowed
+  Connector c(ok);
+  EXPECT_EQ(c.identity().name, "caf\xc3\xa9");
+}
+
+TEST(ConnectorOptions, UnknownTransportsAreRefused) {
+  ConnectorOptions o = test::named("picky");
+  o.transports = {"carrier-pigeon"};
+  expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "carrier-pigeon");
+}
+
+TEST(ConnectorOptions, BadEndpointAllowListsAreRefused) {
+  for (const char* bad : {"10.0.0.0/33", "not-an-ip/8", "10.0.0.0/", "::1/129"}) {
+    ConnectorOptions o = test::named("filtered");
+    o.endpoint_allow = {bad};
+    expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "endpoint_allow");
+  }
+}
+
+// Metadata names the address to connect to; with an allow-list, nothing outside it is dialled.
+TEST(ConnectorOptions, EndpointsOutsideTheAllowListAreNotContacted) {
+  Connector owner(test::named("owner"));
+  auto src = test::patterned(4096, 5);
+  auto dst = test::buffer(4096);
+  ConnectorOptions elsewhere = test::named("fenced");
+  elsewhere.endpoint_allow = {"10.0.0.0/8", "::1/128"};
+  Connector fenced(elsewhere);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  expect_error(
+      [&] { (void)fenced.begin_read(readable.metadata(), {Descriptor(dst.data(), 4096)}); },
+      ErrorCode::AccessDenied, "endpoint_allow");
+  ConnectorOptions loopback = test::named("loopback-only");
+  loopback.endpoint_allow = {"127.0.0.0/8"};
+  Connector allowed(loopback);
+  auto read = allowed.begin_read(readable.metadata(), {Descriptor(dst.data(), 4096)});
+  ASSERT_TRUE(read.wait_for_completion(std::chrono::seconds(10)));
+  EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 5), -1);
+}
+
+TEST_F(PairingTest, MoreDescriptorsThanMetadataCarriesAreRefusedAtTheCall) {
+  auto buf = test::buffer(RdmaMetadata::kMaxDescriptors + 1);
+  std::vector<Descriptor> many;
+  for (std::size_t i = 0; i < RdmaMetadata::kMaxDescriptors + 1; ++i)
+    many.emplace_back(buf.data() + i, 1);
+  expect_error([&] { (void)owner_.create_readable(many); }, ErrorCode::InvalidArgument,
+               "at most " + std::to_string(RdmaMetadata::kMaxDescriptors));
+  expect_error([&] { (void)owner_.create_writable(many); }, ErrorCode::InvalidArgument, "at most");
+}
+
+// nanoseconds::max() once overflowed into the past and returned false at once.
+TEST_F(PairingTest, WaitingWithTheLongestTimeoutWaits) {
+  auto src = test::patterned(64, 1);
+  auto readable = owner_.create_readable({Descriptor(src.data(), src.size())});
+  auto start = std::chrono::steady_clock::now();
+  std::thread finisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    readable.cancel();
+  });
+  EXPECT_THROW((void)readable.wait_for_completion(std::chrono::nanoseconds::max()), Error);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(150));
+  finisher.join();
+  EXPECT_EQ(readable.status(), OperationStatus::cancelled);
+}
+
+// Bytes in a std::vector pair directly (the README's form), and const memory may be read or
+// sent but never exposed as writable nor read into.
+template <class C>
+concept can_expose_writable = requires(Connector& c, C& memory) {
+  c.create_writable(memory);
+};
+static_assert(can_expose_writable<std::vector<std::byte>>);
+static_assert(!can_expose_writable<const std::vector<std::byte>>);
+
+TEST_F(PairingTest, ByteVectorsPairAndConstMemoryIsNeverWritten) {
+  const std::vector<std::byte> kv(4096, std::byte{3});
+  std::vector<std::byte> blocks(4096);
+  auto readable = owner_.create_readable(kv);
+  auto read = peer_.begin_read(readable.metadata(), blocks);
+  ASSERT_TRUE(read.wait_for_completion(std::chrono::seconds(10)));
+  EXPECT_EQ(blocks, kv);
+  auto writable = owner_.create_writable(blocks);
+  auto write = peer_.begin_write(kv, writable.metadata());
+  ASSERT_TRUE(write.wait_for_completion(std::chrono::seconds(10)));
+  // A read-only descriptor is refused where ferry would write into it.
+  expect_error([&] { (void)owner_.create_writable({Descriptor(std::span(kv))}); },
+               ErrorCode::InvalidArgument, "read-only");
+  auto other = owner_.create_readable(kv);
+  expect_error(
+      [&] { (void)peer_.begin_read(other.metadata(), {Descriptor::read_only(kv.data(), 4096)}); },
+      ErrorCode::InvalidArgument, "read-only");
 }
 
 TEST(ConnectorOptions, WildcardBindWithAdvertisedAddressWorks) {

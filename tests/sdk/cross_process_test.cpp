@@ -133,6 +133,29 @@ TEST(PeerKilled, ActiveReaderKilledErrorsOurReadable) {
   expect_peer_lost_in_time(readable, "doomed-reader");
 }
 
+// A stopped peer keeps its socket open: only silence tells. Both sides notice it within
+// peer_timeout (2 s by default), the passive side too.
+TEST(PeerStopped, ActiveReaderStoppedErrorsOurReadableWithinPeerTimeout) {
+  Connector connector(test::named("parent"));
+  auto src = std::make_unique<std::byte[]>(kBig);
+  std::memset(src.get(), 0x5a, kBig);
+  auto readable = connector.create_readable({Descriptor(src.get(), kBig)});
+  ChildProcess child(peer_command({"frozen-reader"}));
+  child.send_line("start_read " + readable.metadata().to_json());
+  EXPECT_EQ(child.read_line(), "STARTED");
+  ASSERT_TRUE(eventually([&] { return readable.status() != OperationStatus::initialized; }, 10s));
+  child.kill(SIGSTOP);
+  ASSERT_EQ(readable.status(), OperationStatus::in_progress) << "finished before the stop";
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(test::ended_with(readable, 8s), ErrorCode::PeerLost);
+  auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, 4s) << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                      << " ms";
+  EXPECT_NE(readable.error()->message().find("frozen-reader"), std::string::npos)
+      << readable.error()->message();
+  child.kill(SIGKILL);
+}
+
 TEST(PeerKilled, PassiveOwnerKilledErrorsOurRead) {
   Connector connector(test::named("parent"));
   ChildProcess child(peer_command({"doomed-owner"}));

@@ -152,6 +152,32 @@ TEST_F(PairingTest, PassiveSideThatNeverAppearsGivesTimeoutByTheDeadline) {
   auto took = std::chrono::steady_clock::now() - start;
   EXPECT_GE(took, 400ms);
   EXPECT_LT(took, 3s);
+  // The error says where it asked, and that nobody answered.
+  EXPECT_NE(read.error()->message().find("'kv.nobody'"), std::string::npos)
+      << read.error()->message();
+  EXPECT_NE(read.error()->message().find("nobody served it"), std::string::npos)
+      << read.error()->message();
+}
+
+// Consecutive operations on one subject: the finished one's subscription, until the server
+// has dropped it, must not swallow the next reader's request (which would then wait for
+// request_timeout).
+TEST_F(PairingTest, ASubjectReusedByConsecutiveOperationsNeverStallsTheReader) {
+  constexpr int kRounds = 40;
+  auto src = test::patterned(4096, 9);
+  auto dst = test::buffer(4096);
+  int slow_rounds = 0;
+  for (int i = 0; i < kRounds; ++i) {
+    auto readable = owner_.create_readable({Descriptor(src.data(), src.size())}, at("kv.reused"));
+    auto start = std::chrono::steady_clock::now();
+    auto read =
+        peer_.begin_read(Subject("kv.reused"), {Descriptor(dst.data(), dst.size())}, at("", 10s));
+    ASSERT_TRUE(read.wait_for_completion(10s));
+    ASSERT_TRUE(readable.wait_for_completion(10s));
+    // request_timeout is 1 s: a swallowed request shows as a round near it.
+    if (std::chrono::steady_clock::now() - start > 600ms) ++slow_rounds;
+  }
+  EXPECT_EQ(slow_rounds, 0) << slow_rounds << " of " << kRounds << " rounds stalled";
 }
 
 TEST_F(PairingTest, KindMismatchFailsBothSidesWithTheSameReason) {

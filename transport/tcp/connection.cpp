@@ -265,6 +265,23 @@ void Connection::drop_sink(std::uint64_t tag) noexcept {
   }
 }
 
+void Connection::close_gracefully() noexcept {
+  if (closed_) return;
+  try {
+    // What is queued (the notices that tell the peer why) leaves if the socket takes it now;
+    // unread input is discarded first, since closing a socket with unread input makes the
+    // kernel send a reset that can destroy what we just sent before the peer reads it.
+    quiet_ = true;
+    flush();
+    for (int i = 0; i < 64; ++i) {
+      ssize_t n = ::read(fd_, discard_buffer, sizeof discard_buffer);
+      if (n <= 0 && !(n < 0 && errno == EINTR)) break;
+    }
+    if (fd_ >= 0) ::shutdown(fd_, SHUT_WR);
+  } catch (...) {
+  }
+}
+
 void Connection::flush() {
   if (closed_ || connecting_ || out_.empty()) return;
   std::vector<std::uint64_t> sent_tags;
@@ -300,6 +317,7 @@ void Connection::flush() {
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      if (quiet_) return;
       fail("send failed: " + socket_error_text(errno));
       return;
     }
@@ -321,6 +339,7 @@ void Connection::flush() {
     if (awaiting_peer()) watchdog();
   }
   update_poll();
+  if (quiet_) return;
   for (std::uint64_t tag : sent_tags) {
     if (closed_) return;
     handler_.on_sent(*this, tag);

@@ -117,6 +117,12 @@ class Connection {
   void fail_after_notice(std::uint32_t code, const std::string& reason);
   /// Closes now; the handler hears on_closed(reason).
   void fail(const std::string& reason);
+  /// Before destruction without handler calls (the transport closes): sends what the socket
+  /// takes of the queue at once and half-closes, so that the peer reads the last notices
+  /// instead of a reset. Never calls the handler.
+  void close_gracefully() noexcept;
+  /// Open and not closing: a pooled connection that may take new requests.
+  bool usable() const noexcept { return !closed_ && !closing_after_flush_; }
 
  private:
   struct OutFrame {
@@ -169,6 +175,7 @@ class Connection {
   int corked_ = 0;
   bool closing_after_flush_ = false;
   bool write_shut_ = false;
+  bool quiet_ = false;  // closing without handler calls: see close_gracefully()
   std::string close_reason_;
   int awaiting_ = 0;
   std::uint32_t notice_code_ = 0;

@@ -162,6 +162,7 @@ void TcpTransport::close() {
   pending_.clear();
   exposures_.clear();
   pool_.clear();
+  for (auto& [id, conn] : conns_) conn->close_gracefully();
   conns_.clear();  // closes each socket; no handler calls
   graveyard_.clear();
 }
@@ -219,8 +220,16 @@ void TcpTransport::accept_all() {
 
 void TcpTransport::evict(std::uint64_t id, const std::string& why) {
   unclaimed_.erase(id);
-  if (Connection* conn = find_conn(id))
-    conn->fail_after_notice(static_cast<std::uint32_t>(ErrorCode::AccessDenied), why);
+  Connection* conn = find_conn(id);
+  if (conn == nullptr || !conn->open()) return;
+  // Tell it why, then free the slot at once: an evicted peer that never reads must not keep
+  // holding it while a lingering close waits for it.
+  FrameHeader h;
+  h.type = FrameType::status;
+  h.status = static_cast<std::uint32_t>(ErrorCode::AccessDenied);
+  conn->send(h, why);
+  conn->close_gracefully();
+  conn->fail(why);
 }
 
 void TcpTransport::arm_sweep() {
@@ -365,7 +374,19 @@ std::string TcpTransport::expose(const Exposure& exposure, ExposureObserver& obs
 }
 
 void TcpTransport::revoke(std::uint64_t id, const Error& reason) {
-  if (std::uint64_t bound = exposures_.revoke(id); bound != 0) release_served(bound, id, reason);
+  const std::uint64_t bound = exposures_.revoke(id);
+  if (bound == 0) return;
+  release_served(bound, id, reason);
+  if (Connection* conn = find_conn(bound)) {
+    conn->expect_answers(-1);
+    // The owner ended the operation (cancelled, deadline, shutdown): its claimant learns why
+    // at once, instead of an access refusal for its next request.
+    FrameHeader h;
+    h.type = FrameType::status;
+    h.op_id = id;
+    h.status = static_cast<std::uint32_t>(reason.code());
+    conn->send(h, std::string_view(reason.message()).substr(0, kMaxMessage));
+  }
 }
 
 void TcpTransport::release_served(std::uint64_t conn_id, std::uint64_t id, const Error& reason) {
@@ -402,6 +423,10 @@ void TcpTransport::claim(Exposures::Entry& entry, Connection& conn) {
       exposures_.claim(entry, conn.id(), conn.peer_name(), conn.describe_peer(), conn.peer_id());
   if (!secret) return;
   unclaimed_.erase(conn.id());
+  // While it serves a claimed operation, the connection waits for its peer: a peer that goes
+  // silent (stopped, or cut off without a reset) is dropped after peer_timeout, and the
+  // operation errors, instead of waiting forever.
+  conn.expect_answers(+1);
   // The claim's secret goes to the claimant alone, ahead of the answer to its request.
   FrameHeader h;
   h.type = FrameType::claimed;
@@ -414,8 +439,10 @@ void TcpTransport::finish_exposure(std::uint64_t id, std::optional<Error> peer_e
   // Requests of this peer still queued (a peer that ended with an error may have left some)
   // must not read the memory once the operation is over.
   Error reason = peer_error ? *peer_error : Error(ErrorCode::Cancelled, "the operation ended");
-  if (std::uint64_t bound = exposures_.finish(id, std::move(peer_error)); bound != 0)
+  if (std::uint64_t bound = exposures_.finish(id, std::move(peer_error)); bound != 0) {
     release_served(bound, id, reason);
+    if (Connection* conn = find_conn(bound)) conn->expect_answers(-1);
+  }
 }
 
 Connection::Sink TcpTransport::serve_frame(Connection& conn, const FrameHeader& h,
@@ -551,7 +578,8 @@ std::unique_ptr<Transfer> TcpTransport::start(TransferSpec spec, TransferObserve
 Connection* TcpTransport::connect_to(const SocketAddress& address, const std::string& peer_name,
                                      std::string& error) {
   std::string key = address.to_string();
-  if (auto it = pool_.find(key); it != pool_.end() && it->second->open()) return it->second;
+  // A connection that is closing (after a protocol error) takes no new requests.
+  if (auto it = pool_.find(key); it != pool_.end() && it->second->usable()) return it->second;
   int fd = -1;
   try {
     fd = make_stream_socket(address.family(), options_.peer_timeout);
@@ -681,6 +709,18 @@ Connection::Sink TcpTransport::client_frame(Connection& conn, const FrameHeader&
       return sink;
     }
     case FrameType::status: {
+      if (h.req_id == 0 && h.op_id != 0) {
+        // The owner ended operation op_id (cancelled, deadline, closed) and says why.
+        ErrorCode code = code_from_wire(h.status);
+        Error ended(code, "peer " + conn.describe_peer() + " ended the operation: " +
+                              (message.empty() ? std::string(to_string(code)) : message));
+        for (auto& [id, t] : transfers_)
+          if (t->conn == &conn && !t->finished && t->spec.remote_id == h.op_id) {
+            finish_transfer(*t, ended);
+            break;
+          }
+        return {};
+      }
       if (h.req_id == 0) {
         // The server explains why it is about to close the connection.
         conn.set_notice(h.status, message);

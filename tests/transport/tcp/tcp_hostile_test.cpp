@@ -124,6 +124,51 @@ class TcpHostileTest : public ::testing::Test {
 };
 
 // ---------------------------------------------------------------------------------------
+// Connection slots
+
+// Connections that greet and then claim nothing cannot lock real peers out: past
+// max_unclaimed the oldest make room, and each is closed after unclaimed_timeout.
+TEST(TcpSlots, SilentConnectionsCannotLockOutRealPeers) {
+  ConnectorOptions o = test::named("owner");
+  o.tcp.max_connections = 64;
+  o.tcp.max_unclaimed = 8;
+  o.tcp.unclaimed_timeout = std::chrono::milliseconds(30000);
+  Connector owner(o);
+  auto memory = patterned(4096, 3);
+  auto readable = owner.create_readable({Descriptor(memory.data(), memory.size())});
+  const Target t = target_of(readable.metadata());
+  std::vector<std::unique_ptr<RawClient>> squatters;
+  for (int i = 0; i < 100; ++i) {
+    squatters.push_back(std::make_unique<RawClient>(t.address));
+    ASSERT_TRUE(greeted(*squatters.back(), "squatter")) << i;
+  }
+  // The real peer still gets in and completes.
+  expect_serves_well_behaved_peer(owner);
+  Connector peer(test::named("real-peer"));
+  auto got = buffer(4096);
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(got.data(), got.size())});
+  ASSERT_TRUE(read.wait_for_completion(kWait)) << describe(read);
+  EXPECT_EQ(first_mismatch(got.data(), got.size(), 3), -1);
+  // The oldest squatters were told why and closed.
+  auto f = squatters.front()->read_frame();
+  EXPECT_TRUE(is_status(f, 0, ErrorCode::AccessDenied, "claim no operation"));
+}
+
+TEST(TcpSlots, AConnectionThatClaimsNothingIsClosedAfterTheTimeout) {
+  ConnectorOptions o = test::named("owner");
+  o.tcp.unclaimed_timeout = std::chrono::milliseconds(300);
+  Connector owner(o);
+  auto memory = patterned(64, 3);
+  auto readable = owner.create_readable({Descriptor(memory.data(), memory.size())});
+  RawClient idle(target_of(readable.metadata()).address);
+  ASSERT_TRUE(greeted(idle, "idle"));
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(is_status(idle.read_frame(), 0, ErrorCode::AccessDenied, "no operation claimed"));
+  EXPECT_TRUE(idle.closed_by_peer());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+// ---------------------------------------------------------------------------------------
 // Tokens
 
 TEST_F(TcpHostileTest, WrongTokenAndUnknownIdGetTheSameAccessDenied) {
@@ -677,6 +722,50 @@ TEST_F(TcpHostileTest, DoneBeforeEveryByteWasWrittenDoesNotCompleteTheWritable) 
   auto e = wait_for_failure(writable);
   ASSERT_TRUE(e);
   EXPECT_EQ(e->code(), ErrorCode::ProtocolError);
+}
+
+// Writing the same half twice adds up to the total, but covers half the bytes: the writable
+// is complete only when every exposed byte was written.
+TEST_F(TcpHostileTest, OverlappingWritesCannotFakeCompletion) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client));
+  std::vector<std::byte> half(kSize / 2, std::byte{0x42});
+  ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, half.size()), {}, half));
+  EXPECT_TRUE(is_ok(client.read_frame(), 1));
+  ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 2, t.base, half.size()), {}, half));
+  EXPECT_TRUE(is_ok(client.read_frame(), 2));
+  ASSERT_TRUE(client.send_frame(done_frame(t, 3, transport::Access::write, 0)));
+  EXPECT_TRUE(is_status(client.read_frame(), 3, ErrorCode::ProtocolError,
+                        "said it was done after writing 32768 of 65536 bytes"));
+  auto e = wait_for_failure(writable);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code(), ErrorCode::ProtocolError);
+}
+
+// A peer's text that is not valid UTF-8 (its HELLO name, its reason) reaches errors and JSON
+// as valid UTF-8, and the operation still ends.
+TEST_F(TcpHostileTest, PeerTextThatIsNotUtf8IsSanitizedAndTheOperationEnds) {
+  auto writable = owner_.create_writable({Descriptor(memory_.data(), kSize)});
+  const Target t = target_of(writable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client, "bad\xff\xfename"));
+  std::vector<std::byte> some(16, std::byte{1});
+  ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, some.size()), {}, some));
+  EXPECT_TRUE(is_ok(client.read_frame(), 1));
+  ASSERT_TRUE(client.send_frame(
+      done_frame(t, 2, transport::Access::write, wire(ErrorCode::Cancelled)), "why\xc0\xaf"));
+  auto e = wait_for_failure(writable);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code(), ErrorCode::Cancelled);
+  const std::string text = e->what();
+  EXPECT_EQ(text.find("\xff"), std::string::npos) << text;
+  EXPECT_NE(text.find("\xef\xbf\xbd"), std::string::npos) << text;
+  // The text goes into JSON without throwing.
+  RdmaMetadata m = writable.metadata();
+  m.owner.name = text;
+  EXPECT_NO_THROW((void)RdmaMetadata::from_json(m.to_json()));
 }
 
 TEST_F(TcpHostileTest, AClientThatNeverReadsCannotGrowTheServerWithoutBound) {
