@@ -1,0 +1,62 @@
+#pragma once
+
+// Shared by the parts of the TCP transport (tcp_transport.cpp: listener and connections;
+// tcp_server.cpp: serving exposures; tcp_client.cpp: active transfers). Not an interface.
+
+#include <optional>
+#include <string>
+#include <unordered_set>
+
+#include "transport/tcp/tcp_transport.hpp"
+
+namespace ferry::transport::tcp {
+
+/// An active transfer: its segments are cut into requests of at most chunk_size bytes, with
+/// at most `window` bytes requested and not yet done.
+class TcpTransfer final : public Transfer {
+ public:
+  TcpTransfer(TcpTransport& transport, std::uint64_t transfer_id, TransferSpec what,
+              TransferObserver& obs)
+      : owner(&transport), id(transfer_id), spec(std::move(what)), observer(&obs) {
+    for (const Segment& s : spec.segments) total += s.len;
+  }
+  ~TcpTransfer() override {
+    if (owner != nullptr) owner->forget_transfer(*this);
+  }
+  void cancel(const Error& reason) override {
+    if (owner != nullptr) owner->cancel_transfer(*this, reason);
+  }
+  std::optional<Token> claim_secret() const override { return secret; }
+
+  TcpTransport* owner;  // null once the transport let go of it
+  std::uint64_t id;
+  TransferSpec spec;
+  TransferObserver* observer;
+  Connection* conn = nullptr;
+  std::size_t seg = 0;
+  std::uint64_t seg_off = 0;
+  std::uint64_t inflight = 0;
+  std::uint64_t done = 0;
+  std::uint64_t total = 0;
+  bool done_sent = false;
+  bool finished = false;  // succeeded or failed; nothing more is sent or received for it
+  bool notified = false;
+  std::optional<Token> secret;             // the owner's claim secret, once it sent it
+  std::unordered_set<std::uint64_t> reqs;  // requests awaiting an answer
+};
+
+inline Connection::Sink fatal(std::string why) {
+  Connection::Sink s;
+  s.fatal = true;
+  s.error = std::move(why);
+  return s;
+}
+
+inline ErrorCode code_from_wire(std::uint32_t status) {
+  if (status >= static_cast<std::uint32_t>(ErrorCode::InvalidArgument) &&
+      status <= static_cast<std::uint32_t>(ErrorCode::Internal))
+    return static_cast<ErrorCode>(status);
+  return ErrorCode::ProtocolError;
+}
+
+}  // namespace ferry::transport::tcp
