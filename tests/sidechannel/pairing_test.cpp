@@ -130,6 +130,20 @@ INSTANTIATE_TEST_SUITE_P(AllPairings, InProcessPairing,
                                             ::testing::Bool()),
                          in_process_name);
 
+// README's "let NATS pair them" snippet, as written there (it once did not compile).
+TEST_F(PairingTest, TheReadmeSnippetCompilesAndPairs) {
+  ferry::Connector& decode = owner_;
+  ferry::Connector& prefill = peer_;
+  std::vector<std::byte> kv = test::patterned(64 << 10, 17), blocks(64 << 10);
+  ferry::OperationOptions at;
+  at.subject = "kv.decode-0.req-17";
+  auto writable = decode.create_writable(blocks, at);  // serves its metadata there
+  auto write = prefill.begin_write(kv, ferry::Subject("kv.decode-0.req-17"));
+  write.wait_for_completion();  // writable completes as well
+  ASSERT_TRUE(writable.wait_for_completion(std::chrono::seconds(10)));
+  EXPECT_EQ(blocks, kv);
+}
+
 TEST_F(PairingTest, ActiveSideFirstRetriesUntilThePassiveSideAppears) {
   auto src = test::patterned(65536, 43);
   auto dst = test::buffer(65536);
