@@ -105,6 +105,61 @@ TEST(PeerFaults, ServerSilentAfterHelloFailsWithinPeerTimeout) {
   fake_server.join();
 }
 
+// A pooled connection that is closing (it saw a protocol error and waits for the peer to
+// close) must not be handed to a new transfer: that one gets a fresh connection.
+TEST(PeerFaults, AClosingPooledConnectionIsNotReused) {
+  RawListener server;
+  std::promise<void> release;
+  std::thread fake_server([&] {
+    RawClient first(RawClient::Adopt{}, server.accept());
+    (void)first.read_frame();  // HELLO
+    FrameHeader hello;
+    hello.type = FrameType::hello;
+    first.send_frame(hello, "flaky");
+    (void)first.read_frame();  // the first READ
+    const char junk[64] = "this is no frame header";
+    first.send_bytes(junk, sizeof junk);  // the client must stop trusting this stream
+    // A second connection serves the next transfer properly.
+    RawClient second(RawClient::Adopt{}, server.accept());
+    (void)second.read_frame();  // HELLO
+    second.send_frame(hello, "flaky");
+    auto req = second.read_frame();
+    if (req && req->header.type == FrameType::read) {
+      FrameHeader data;
+      data.type = FrameType::data;
+      data.req_id = req->header.req_id;
+      data.len = req->header.len;
+      second.send_frame(data, {}, std::vector<std::byte>(req->header.len, std::byte{9}));
+    }
+    release.get_future().wait();  // the first connection stays open, never closed by us
+  });
+  {
+    ConnectorOptions o = quick("client");
+    o.peer_timeout = 2s;
+    Connector client(o);
+    std::vector<char> dst(4096);
+    auto first = client.begin_read(fake(OperationKind::read, server.address(), "flaky"),
+                                   {Descriptor(dst.data(), 4096)});
+    std::this_thread::sleep_for(100ms);  // the junk has arrived: the connection is closing
+    std::vector<char> dst2(4096);
+    auto start = std::chrono::steady_clock::now();
+    auto second = client.begin_read(fake(OperationKind::read, server.address(), "flaky"),
+                                    {Descriptor(dst2.data(), 4096)});
+    bool done = false;
+    try {
+      done = second.wait_for_completion(5s);
+    } catch (const Error& e) {
+      ADD_FAILURE() << "the second transfer failed: " << e.what();
+    }
+    EXPECT_TRUE(done);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 1500ms)
+        << "the second transfer waited for the closing connection";
+    EXPECT_EQ(dst2[0], 9);
+  }
+  release.set_value();
+  fake_server.join();
+}
+
 TEST(PeerFaults, ServerThatNeverSendsHelloFails) {
   RawListener server;
   std::promise<void> release;
