@@ -63,6 +63,11 @@ void on_answer(ActiveOperation& op, std::uint64_t request, const sidechannel::Me
     op.finish(
         OperationStatus::errored,
         Error(e.code(), "the metadata served at '" + subject + "': " + e.message(), e.field()));
+  } catch (const std::exception& e) {
+    // Whatever went wrong, the operation ends: it never stays in_progress.
+    op.finish(OperationStatus::errored,
+              Error(ErrorCode::Internal,
+                    "the metadata served at '" + subject + "' could not be used: " + e.what()));
   }
 }
 
