@@ -1,4 +1,5 @@
 #include "sidechannel/nats_channel.hpp"
+#include "sidechannel/nats_adapter.hpp"
 #include "sidechannel/uv_handle.hpp"
 
 #include <nats/nats.h>
@@ -11,10 +12,6 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
-
-// cnats' libuv adapter defines its functions in the header: this must stay the one
-// translation unit that includes it.
-#include <nats/adapters/libuv.h>
 
 namespace ferry::sidechannel {
 
@@ -240,11 +237,6 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   if (auto why = subject_problem(state_->inbox); !why.empty())
     throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + state_->prefix + "' " + why);
 
-  natsLibuv_Init();
-  // The adapter finds the loop's thread through this thread-local; the connect below
-  // attaches the socket from here, on the loop thread, as the adapter requires.
-  natsLibuv_SetThreadLocalLoop(loop.uv());
-
   natsOptions* opts = nullptr;
   check(natsOptions_Create(&opts), "natsOptions_Create");
   std::unique_ptr<natsOptions, void (*)(natsOptions*)> guard(opts, natsOptions_Destroy);
@@ -280,9 +272,10 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   check(natsOptions_SetSendAsap(opts, true), "send_asap");
   // One pool of delivery threads instead of a thread per subscription.
   check(natsOptions_UseGlobalMessageDelivery(opts, true), "message delivery");
-  check(natsOptions_SetEventLoop(opts, loop.uv(), natsLibuv_Attach, natsLibuv_Read, natsLibuv_Write,
-                                 natsLibuv_Detach),
-        "event loop");
+  // The socket is polled by the loop through ferry's driver (see nats_adapter.hpp). The
+  // connect below attaches it from here, the loop thread, so it is polled at once.
+  driver_ = std::make_unique<NatsSocketDriver>(loop.uv());
+  check(driver_->install(opts), "event loop");
   auto* events = new EventClosure{state_, loop.poster()};
   natsOptions_SetDisconnectedCB(opts, on_disconnected, events);
   natsOptions_SetReconnectedCB(opts, on_reconnected, events);
@@ -335,9 +328,11 @@ NatsChannel::~NatsChannel() {
   state_.reset();
   natsConnection* nc = outbox_->nc;
   outbox_->stop();
-  // On the loop thread: this cnats' adapter stops polling synchronously there (when nothing
-  // of its own is still queued, which close() sees to), before cnats closes the socket.
+  // On the loop thread: the driver applies cnats' stop-polling and detach at once here.
+  // Once Close has returned (it joins cnats' reconnect thread), cnats calls the driver no
+  // more, and the driver closes what it still holds.
   natsConnection_Close(nc);
+  driver_->shutdown();
   for (auto& [id, sub] : outbox_->subs) natsSubscription_Destroy(sub);
   natsConnection_Destroy(nc);
   close_and_delete(closer_);

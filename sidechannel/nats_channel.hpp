@@ -26,8 +26,10 @@ using MessageHandler = std::function<void(const Message&)>;
 /// tokens, no whitespace or control characters, at most 1024 characters.
 std::string subject_problem(std::string_view subject);
 
-/// A NATS connection whose socket is driven by a connector's loop through cnats' libuv
-/// adapter.
+class NatsSocketDriver;
+
+/// A NATS connection whose socket is driven by a connector's loop (NatsSocketDriver, ferry's
+/// side of cnats' event-loop contract).
 ///
 /// Threads: every method runs on the loop thread. cnats delivers messages and connection
 /// events on threads of its own; they are handed to the loop and handlers run there. Calls
@@ -37,8 +39,8 @@ std::string subject_problem(std::string_view subject);
 /// must not wait for it.
 class NatsChannel {
  public:
-  /// Connects, on the loop thread: cnats' libuv adapter requires the first attach there, so
-  /// this blocks the loop for the handshake (at most options.connect_timeout). Throws
+  /// Connects, on the loop thread: cnats attaches the socket from the thread that connects,
+  /// so this blocks the loop for the handshake (at most options.connect_timeout). Throws
   /// Error(AccessDenied) when the server refuses the credentials, Error(SideChannel)
   /// otherwise.
   NatsChannel(EventLoop& loop, const NatsOptions& options, std::string client_id);
@@ -91,11 +93,12 @@ class NatsChannel {
 
   EventLoop& loop_;
   std::shared_ptr<State> state_;
+  std::unique_ptr<NatsSocketDriver> driver_;
   std::unique_ptr<Outbox> outbox_;
   std::string local_ip_;
   std::uint64_t inbox_sub_ = 0;
   // The two-phase close: the worker's final flush wakes closer_; finisher_ runs a loop turn
-  // later, when cnats' adapter has processed what that flush queued.
+  // later, when the loop has written what that flush queued.
   uv_async_t* closer_ = nullptr;
   uv_timer_t* finisher_ = nullptr;
   bool closing_ = false;
