@@ -5,6 +5,7 @@
 #include <nats/nats.h>
 #include <sys/random.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -32,6 +33,30 @@ std::string subject_problem(std::string_view subject) {
     start = dot + 1;
   }
   return {};
+}
+
+namespace {
+
+bool lower_hex(std::string_view digits) {
+  return !digits.empty() && std::all_of(digits.begin(), digits.end(), [](char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+  });
+}
+
+}  // namespace
+
+bool is_reply_inbox(std::string_view prefix, std::string_view subject) {
+  // "<prefix>.inbox.<16 hex>.r<1..16 hex>", exactly as request() writes it.
+  constexpr std::string_view kInbox = ".inbox.";
+  if (subject.size() <= prefix.size() + kInbox.size() ||
+      subject.substr(0, prefix.size()) != prefix ||
+      subject.substr(prefix.size(), kInbox.size()) != kInbox)
+    return false;
+  std::string_view rest = subject.substr(prefix.size() + kInbox.size());
+  if (rest.size() < 16 + 3 || rest.size() > 16 + 2 + 16) return false;
+  std::string_view id = rest.substr(0, 16);
+  std::string_view n = rest.substr(18);
+  return lower_hex(id) && rest[16] == '.' && rest[17] == 'r' && lower_hex(n) && n[0] != '0';
 }
 
 namespace {
@@ -457,5 +482,39 @@ std::uint64_t NatsChannel::request(const std::string& subject, std::string data,
 }
 
 void NatsChannel::cancel_request(std::uint64_t id) { state_->requests.erase(id); }
+
+void NatsChannel::respond(const Message& request, std::string data) {
+  if (request.reply.empty() || closing_) return;
+  if (!is_reply_inbox(state_->prefix, request.reply)) {
+    note_refused_reply(request);
+    return;
+  }
+  publish(request.reply, std::move(data));
+}
+
+void NatsChannel::note_refused_reply(const Message& request) {
+  // At most one line every 10 s: the requester controls how often this happens.
+  const auto now = std::chrono::steady_clock::now();
+  if (refused_noted_ != std::chrono::steady_clock::time_point{} &&
+      now - refused_noted_ < std::chrono::seconds(10)) {
+    ++refused_unnoted_;
+    return;
+  }
+  // Subjects come from the network: print them only when they hold nothing but printable
+  // characters (subject_problem refuses control characters), and not too much of them.
+  auto printable = [](const std::string& subject) {
+    if (!subject_problem(subject).empty()) return std::string("<malformed>");
+    return subject.size() > 200 ? subject.substr(0, 200) + "..." : subject;
+  };
+  std::string also;
+  if (refused_unnoted_ > 0)
+    also = " (and " + std::to_string(refused_unnoted_) + " more since the last note)";
+  std::fprintf(stderr,
+               "ferry: not answering a request at '%s': its reply subject '%s' is not a ferry "
+               "reply inbox%s\n",
+               printable(request.subject).c_str(), printable(request.reply).c_str(), also.c_str());
+  refused_noted_ = now;
+  refused_unnoted_ = 0;
+}
 
 }  // namespace ferry::sidechannel

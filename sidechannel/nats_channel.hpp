@@ -26,6 +26,11 @@ using MessageHandler = std::function<void(const Message&)>;
 /// tokens, no whitespace or control characters, at most 1024 characters.
 std::string subject_problem(std::string_view subject);
 
+/// Whether `subject` is a reply inbox of the form NatsChannel::request() builds under
+/// `prefix`: "<prefix>.inbox.<id>.r<n>", the id 16 lowercase hex digits (a connector's id),
+/// n 1 to 16 lowercase hex digits without a leading zero.
+bool is_reply_inbox(std::string_view prefix, std::string_view subject);
+
 class NatsSocketDriver;
 
 /// A NATS connection whose socket is driven by a connector's loop (NatsSocketDriver, ferry's
@@ -72,6 +77,14 @@ class NatsChannel {
   void unsubscribe(std::uint64_t id);
   void publish(const std::string& subject, std::string data, const std::string& reply = {});
 
+  /// Answers `request` (a message a subscription handler received) with `data`, only if its
+  /// reply subject is a reply inbox that request() builds under this channel's prefix
+  /// (is_reply_inbox). Anything else is dropped with a note on stderr (at most one line every
+  /// 10 s): whoever may publish to a served subject must not be able to make this connection
+  /// publish the answer, a credential, to a subject of its choosing. A request without a
+  /// reply subject is dropped silently.
+  void respond(const Message& request, std::string data);
+
   /// Publishes a request whose first answer (or the server's no-responders notice) goes to
   /// `handler`, once. Returns an id for cancel_request().
   std::uint64_t request(const std::string& subject, std::string data, MessageHandler handler);
@@ -91,6 +104,8 @@ class NatsChannel {
  private:
   struct Outbox;
 
+  void note_refused_reply(const Message& request);
+
   EventLoop& loop_;
   std::shared_ptr<State> state_;
   std::unique_ptr<NatsSocketDriver> driver_;
@@ -102,6 +117,9 @@ class NatsChannel {
   uv_async_t* closer_ = nullptr;
   uv_timer_t* finisher_ = nullptr;
   bool closing_ = false;
+  // respond()'s rate-limited note.
+  std::chrono::steady_clock::time_point refused_noted_{};
+  std::uint64_t refused_unnoted_ = 0;
 };
 
 }  // namespace ferry::sidechannel

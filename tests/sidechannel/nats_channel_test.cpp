@@ -1,0 +1,161 @@
+// The NATS side channel on its own (sidechannel::NatsChannel), against a private nats-server:
+// answers go only to ferry's reply inboxes.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+
+#include "sidechannel/event_loop.hpp"
+#include "sidechannel/nats_channel.hpp"
+#include "tests/support/nats_server.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using sidechannel::Message;
+using sidechannel::NatsChannel;
+
+constexpr const char* kOwnerId = "00000000000000a1";
+constexpr const char* kAskerId = "00000000000000b2";
+
+class NatsChannelTest : public ::testing::Test {
+ protected:
+  explicit NatsChannelTest(test::NatsServer::Options server = {}) : server_(std::move(server)) {}
+
+  void TearDown() override {
+    loop_.call([&] { channels_.clear(); });
+  }
+
+  NatsOptions options() {
+    NatsOptions o;
+    o.servers = {server_.url()};
+    o.use_environment = false;
+    o.reconnect_wait = 100ms;
+    return o;
+  }
+
+  NatsChannel& open(const std::string& id, NatsOptions o) {
+    return *loop_.call([&] {
+      channels_.push_back(std::make_unique<NatsChannel>(loop_, o, id));
+      return channels_.back().get();
+    });
+  }
+  NatsChannel& open(const std::string& id) { return open(id, options()); }
+
+  // Subscribes on the loop and waits for the confirmation; returns its error text.
+  std::string subscribe(NatsChannel& ch, const std::string& subject,
+                        sidechannel::MessageHandler handler) {
+    auto done = std::make_shared<std::promise<std::string>>();
+    auto confirmed = done->get_future();
+    loop_.call([&] {
+      ch.subscribe(subject, {}, std::move(handler),
+                   [done](const std::string& error) { done->set_value(error); });
+    });
+    if (confirmed.wait_for(5s) != std::future_status::ready) return "no confirmation";
+    return confirmed.get();
+  }
+
+  // One request on the loop; its answer's data, or "" when none comes within 5 s.
+  std::string ask(NatsChannel& ch, const std::string& subject) {
+    auto answer = std::make_shared<std::promise<std::string>>();
+    auto got = answer->get_future();
+    loop_.call([&] {
+      ch.request(subject, "?", [answer](const Message& m) {
+        answer->set_value(m.no_responders ? "no responders" : m.data);
+      });
+    });
+    if (got.wait_for(5s) != std::future_status::ready) return {};
+    return got.get();
+  }
+
+  test::NatsServer server_;
+  sidechannel::EventLoop loop_;
+  std::vector<std::unique_ptr<NatsChannel>> channels_;  // destroyed on the loop
+};
+
+// --- Answers go to ferry's reply inboxes only --------------------------------------------
+
+TEST(ReplyInbox, OnlyTheFormRequestBuildsIsAReplyInbox) {
+  using sidechannel::is_reply_inbox;
+  EXPECT_TRUE(is_reply_inbox("ferry", "ferry.inbox.00000000000000b2.r1"));
+  EXPECT_TRUE(is_reply_inbox("ferry", "ferry.inbox.0123456789abcdef.rffffffffffffffff"));
+  EXPECT_TRUE(is_reply_inbox("my.ns", "my.ns.inbox.0123456789abcdef.r9"));
+  for (const char* foreign : {
+           "",
+           "evil.collect",
+           "_INBOX.abc",
+           "ferry.notify.00000000000000b2",     // another connector's notices
+           "ferry.inbox.00000000000000b2.c1",   // a subscription confirmation
+           "ferry.inbox.00000000000000b2.r",    // no number
+           "ferry.inbox.00000000000000b2.r01",  // not as request() writes it
+           "ferry.inbox.00000000000000b2.r1.x",
+           "ferry.inbox.00000000000000b2.r10000000000000000",  // 17 digits
+           "ferry.inbox.00000000000000B2.r1",                  // upper case
+           "ferry.inbox.b2.r1",                                // not a connector id
+           "ferry.inbox.00000000000000b2x.r1",
+           "ferry.inbox.*.r1",
+           "ferry.inbox.00000000000000b2.r*",
+           "ferry.inbox.00000000000000b2.>",
+           "ferryx.inbox.00000000000000b2.r1",
+           "other.inbox.00000000000000b2.r1",
+           "x.ferry.inbox.00000000000000b2.r1",
+       })
+    EXPECT_FALSE(is_reply_inbox("ferry", foreign)) << foreign;
+  EXPECT_FALSE(is_reply_inbox("my.ns", "ferry.inbox.0123456789abcdef.r9"));
+}
+
+TEST_F(NatsChannelTest, RespondAnswersRequestsAndNothingElse) {
+  NatsChannel& owner = open(kOwnerId);
+  NatsChannel& asker = open(kAskerId);
+  std::atomic<int> served{0};
+  ASSERT_EQ(subscribe(owner, "svc",
+                      [&](const Message& m) {
+                        ++served;
+                        owner.respond(m, "the metadata");
+                      }),
+            "");
+  EXPECT_EQ(ask(asker, "svc"), "the metadata");
+
+  // Requests naming a reply subject of their choosing: the asker listens there.
+  const std::vector<std::string> foreign = {
+      "evil.collect",
+      "ferry.notify." + std::string(kAskerId),
+      "ferry.inbox." + std::string(kAskerId) + ".c1",
+      "ferry.inbox." + std::string(kAskerId) + ".r1.x",
+      "other.inbox." + std::string(kAskerId) + ".r1",
+  };
+  std::atomic<int> leaked{0};
+  for (const auto& subject : foreign)
+    ASSERT_EQ(subscribe(asker, subject, [&](const Message&) { ++leaked; }), "") << subject;
+  ::testing::internal::CaptureStderr();
+  loop_.call([&] {
+    for (const auto& subject : foreign) asker.publish("svc", "?", subject);
+    asker.publish("svc", "no reply subject at all");
+  });
+  // The server keeps one connection's messages in order: once the owner has answered a
+  // proper request sent after them, it has handled those too.
+  EXPECT_EQ(ask(asker, "svc"), "the metadata");
+  std::this_thread::sleep_for(100ms);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(served.load(), 2 + static_cast<int>(foreign.size()) + 1);
+  EXPECT_EQ(leaked.load(), 0);
+  // Noted once, not once per request.
+  std::size_t notes = 0;
+  for (auto at = said.find("is not a ferry reply inbox"); at != std::string::npos;
+       at = said.find("is not a ferry reply inbox", at + 1))
+    ++notes;
+  EXPECT_EQ(notes, 1u) << said;
+  EXPECT_NE(said.find("'evil.collect'"), std::string::npos) << said;
+}
+
+}  // namespace
+}  // namespace ferry
