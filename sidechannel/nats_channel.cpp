@@ -2,8 +2,10 @@
 #include "sidechannel/nats_adapter.hpp"
 #include "sidechannel/uv_handle.hpp"
 
+#include <fcntl.h>
 #include <nats/nats.h>
 #include <sys/random.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -61,6 +63,54 @@ bool is_reply_inbox(std::string_view prefix, std::string_view subject) {
 
 namespace {
 
+std::atomic<RandomSource> random_source{&::getrandom};
+
+// 64 random bits from /dev/urandom, or failing that from whatever differs between processes
+// and runs: for the fallback ids below, obtained once per process.
+std::uint64_t process_seed() {
+  std::uint64_t seed = 0;
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    if (::read(fd, &seed, sizeof seed) != static_cast<ssize_t>(sizeof seed)) seed = 0;
+    ::close(fd);
+  }
+  if (seed == 0) {
+    int local = 0;
+    seed = static_cast<std::uint64_t>(
+               std::chrono::high_resolution_clock::now().time_since_epoch().count()) ^
+           (static_cast<std::uint64_t>(::getpid()) << 32) ^
+           reinterpret_cast<std::uintptr_t>(&local) ^
+           std::hash<std::thread::id>{}(std::this_thread::get_id());
+  }
+  return seed;
+}
+
+// splitmix64's finalizer: a bijection of 64-bit values, so distinct counters give distinct
+// ids.
+std::uint64_t mix(std::uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+
+// An id when the random source keeps failing: a process-wide counter mixed with a seed
+// obtained once. Unique within the process (no value repeats before 2^64 ids), but only as
+// hard to guess as the seed; said once on stderr.
+std::uint64_t fallback_id() {
+  static const std::uint64_t seed = process_seed();
+  static std::atomic<std::uint64_t> counter{0};
+  static std::once_flag warned;
+  std::call_once(warned, [] {
+    std::fprintf(stderr,
+                 "ferry: getrandom() keeps failing; NATS reply subjects use a counter mixed with "
+                 "a per-process seed instead\n");
+  });
+  return mix(seed + 0x9e3779b97f4a7c15ULL * ++counter);
+}
+
 std::string status_text(natsStatus s) {
   std::string text = natsStatus_GetText(s);
   // cnats keeps a more precise message (e.g. the server's -ERR) per thread, behind a
@@ -78,6 +128,10 @@ void check(natsStatus s, const char* what) {
 }
 
 }  // namespace
+
+RandomSource set_random_source_for_testing(RandomSource source) {
+  return random_source.exchange(source != nullptr ? source : &::getrandom);
+}
 
 // Loop-side state. Shared with cnats callbacks through weak references, so that a message
 // that arrives while the channel closes finds nothing instead of a dangling pointer.
@@ -126,11 +180,20 @@ struct NatsChannel::State {
     requests.erase(it);
     handler(m);
   }
-  std::uint64_t random_id() {
-    std::uint64_t id = 0;
-    while (id == 0)
-      if (getrandom(&id, sizeof id, 0) != static_cast<ssize_t>(sizeof id)) id = 0;
-    return id;
+  // A fresh non-zero id that `taken` does not know. getrandom is tried a few times (it fails
+  // when interrupted, or where a kernel or a seccomp filter refuses it); then the
+  // counter-based fallback, whose ids never repeat, so the loop ends within taken's size + 1
+  // turns.
+  template <class Taken>
+  static std::uint64_t random_id(const Taken& taken) {
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      std::uint64_t id = 0;
+      if (random_source.load()(&id, sizeof id, 0) == static_cast<ssize_t>(sizeof id) && id != 0 &&
+          !taken(id))
+        return id;
+    }
+    for (;;)
+      if (std::uint64_t id = fallback_id(); id != 0 && !taken(id)) return id;
   }
 };
 
@@ -398,11 +461,12 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
   if (handler) state_->subs.emplace(id, std::move(handler));
   std::string confirm;
   if (registered) {
-    const std::uint64_t c = state_->random_id();
+    const std::uint64_t confirm_id =
+        State::random_id([this](std::uint64_t c) { return state_->confirms.count(c) != 0; });
     char token[24];
-    std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(c));
+    std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(confirm_id));
     confirm = state_->inbox + token;
-    state_->confirms.emplace(c, std::move(registered));
+    state_->confirms.emplace(confirm_id, std::move(registered));
   }
   auto* closure = new SubClosure{state_, loop_.poster(), id, inbox};
   auto poster = loop_.poster();
@@ -473,7 +537,8 @@ void NatsChannel::publish(const std::string& subject, std::string data, const st
 
 std::uint64_t NatsChannel::request(const std::string& subject, std::string data,
                                    MessageHandler handler) {
-  const std::uint64_t id = state_->random_id();
+  const std::uint64_t id =
+      State::random_id([this](std::uint64_t r) { return state_->requests.count(r) != 0; });
   state_->requests.emplace(id, std::move(handler));
   char token[24];
   std::snprintf(token, sizeof token, ".r%llx", static_cast<unsigned long long>(id));

@@ -1,6 +1,9 @@
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -30,6 +33,11 @@ std::string subject_problem(std::string_view subject);
 /// `prefix`: "<prefix>.inbox.<id>.r<n>", the id 16 lowercase hex digits (a connector's id),
 /// n 1 to 16 lowercase hex digits without a leading zero.
 bool is_reply_inbox(std::string_view prefix, std::string_view subject);
+
+/// Test seam: the source of the random ids in reply and confirmation subjects (getrandom by
+/// default), with getrandom's signature. Returns the previous one. Tests only.
+using RandomSource = ssize_t (*)(void* buffer, std::size_t length, unsigned int flags);
+RandomSource set_random_source_for_testing(RandomSource source);
 
 class NatsSocketDriver;
 

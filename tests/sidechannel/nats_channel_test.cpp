@@ -1,11 +1,16 @@
 // The NATS side channel on its own (sidechannel::NatsChannel), against a private nats-server:
-// answers go only to ferry's reply inboxes.
+// answers go only to ferry's reply inboxes; a failing getrandom() does not hang it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <future>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +31,20 @@ using sidechannel::NatsChannel;
 
 constexpr const char* kOwnerId = "00000000000000a1";
 constexpr const char* kAskerId = "00000000000000b2";
+
+// Runs `fn` on the loop, failing the whole test program if it does not return within `limit`
+// (a loop stuck for good would otherwise hang it until ctest's timeout).
+template <class F>
+auto bounded_call(sidechannel::EventLoop& loop, F fn, std::chrono::seconds limit = 10s) {
+  auto result = std::async(std::launch::async, [&] { return loop.call(fn); });
+  if (result.wait_for(limit) != std::future_status::ready) {
+    std::fprintf(stderr, "FAILED: the loop did not come back within %llds\n",
+                 static_cast<long long>(limit.count()));
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+  return result.get();
+}
 
 class NatsChannelTest : public ::testing::Test {
  protected:
@@ -155,6 +174,42 @@ TEST_F(NatsChannelTest, RespondAnswersRequestsAndNothingElse) {
     ++notes;
   EXPECT_EQ(notes, 1u) << said;
   EXPECT_NE(said.find("'evil.collect'"), std::string::npos) << said;
+}
+
+// --- getrandom() failing ------------------------------------------------------------------
+
+ssize_t failing_getrandom(void*, std::size_t, unsigned int) {
+  errno = ENOSYS;
+  return -1;
+}
+
+TEST_F(NatsChannelTest, AFailingGetrandomFallsBackInsteadOfSpinning) {
+  NatsChannel& owner = open(kOwnerId);
+  NatsChannel& asker = open(kAskerId);
+  struct Restore {
+    sidechannel::RandomSource previous =
+        sidechannel::set_random_source_for_testing(&failing_getrandom);
+    ~Restore() { sidechannel::set_random_source_for_testing(previous); }
+  } restore;
+
+  // Both draw ids: a subscription's confirmation, and requests.
+  auto confirmed = std::make_shared<std::promise<std::string>>();
+  auto ids = bounded_call(loop_, [&] {
+    owner.subscribe(
+        "svc", {}, [&](const Message& m) { owner.respond(m, "yes"); },
+        [confirmed](const std::string& error) { confirmed->set_value(error); });
+    std::vector<std::uint64_t> drawn;
+    for (int i = 0; i < 1000; ++i)
+      drawn.push_back(asker.request("nobody.here", "", [](const Message&) {}));
+    return drawn;
+  });
+  EXPECT_EQ(std::set<std::uint64_t>(ids.begin(), ids.end()).size(), ids.size());
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 0u), 0);
+  auto f = confirmed->get_future();
+  ASSERT_EQ(f.wait_for(5s), std::future_status::ready);
+  EXPECT_EQ(f.get(), "");
+  // The fallback ids make working reply subjects.
+  EXPECT_EQ(ask(asker, "svc"), "yes");
 }
 
 }  // namespace
