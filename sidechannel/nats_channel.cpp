@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <list>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -144,8 +145,15 @@ struct NatsChannel::State {
   // Loop thread only.
   std::unordered_map<std::uint64_t, MessageHandler> subs;
   // Keyed by random ids: the reply subjects are visible on the wire, and an answer to a
-  // request must not be forgeable by guessing the next one.
-  std::unordered_map<std::uint64_t, MessageHandler> requests;
+  // request must not be forgeable by guessing the next one. `order` lists them oldest first,
+  // for the cap (kMaxOpenRequests).
+  struct OpenRequest {
+    MessageHandler handler;
+    std::list<std::uint64_t>::iterator in_order;
+  };
+  std::unordered_map<std::uint64_t, OpenRequest> requests;
+  std::list<std::uint64_t> order;
+  bool noted_cap = false;
   std::unordered_map<std::uint64_t, Registered> confirms;
   std::uint64_t next_sub = 1;
 
@@ -174,11 +182,36 @@ struct NatsChannel::State {
       done({});
       return;
     }
+    if (kind != 'r') return;
     auto it = requests.find(id);
-    if (it == requests.end()) return;  // answered already, or cancelled
-    MessageHandler handler = std::move(it->second);
+    if (it == requests.end()) return;  // answered already, cancelled or dropped
+    MessageHandler handler = std::move(it->second.handler);
+    order.erase(it->second.in_order);
     requests.erase(it);
     handler(m);
+  }
+  void add_request(std::uint64_t id, MessageHandler handler) {
+    if (requests.size() >= kMaxOpenRequests) {
+      // The oldest is the likeliest to have been forgotten by its caller; a caller that
+      // still waits asks again (the connector does every request_timeout).
+      requests.erase(order.front());
+      order.pop_front();
+      if (!noted_cap) {
+        noted_cap = true;
+        std::fprintf(stderr,
+                     "ferry: more than %zu NATS requests are open; dropping the oldest "
+                     "unanswered ones (does a subscriber hold a subject without answering?)\n",
+                     kMaxOpenRequests);
+      }
+    }
+    order.push_back(id);
+    requests.emplace(id, OpenRequest{std::move(handler), std::prev(order.end())});
+  }
+  void drop_request(std::uint64_t id) {
+    auto it = requests.find(id);
+    if (it == requests.end()) return;
+    order.erase(it->second.in_order);
+    requests.erase(it);
   }
   // A fresh non-zero id that `taken` does not know. getrandom is tried a few times (it fails
   // when interrupted, or where a kernel or a seccomp filter refuses it); then the
@@ -412,6 +445,7 @@ NatsChannel::~NatsChannel() {
   // Handlers die first, so that messages arriving during the close find nothing.
   state_->subs.clear();
   state_->requests.clear();
+  state_->order.clear();
   state_->confirms.clear();
   state_.reset();
   natsConnection* nc = outbox_->nc;
@@ -432,6 +466,7 @@ void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
   self->closing_ = true;
   self->state_->subs.clear();
   self->state_->requests.clear();
+  self->state_->order.clear();
   self->state_->confirms.clear();
   uv_ref(reinterpret_cast<uv_handle_t*>(self->closer_));
   uv_ref(reinterpret_cast<uv_handle_t*>(self->finisher_));
@@ -539,14 +574,16 @@ std::uint64_t NatsChannel::request(const std::string& subject, std::string data,
                                    MessageHandler handler) {
   const std::uint64_t id =
       State::random_id([this](std::uint64_t r) { return state_->requests.count(r) != 0; });
-  state_->requests.emplace(id, std::move(handler));
+  state_->add_request(id, std::move(handler));
   char token[24];
   std::snprintf(token, sizeof token, ".r%llx", static_cast<unsigned long long>(id));
   publish(subject, std::move(data), state_->inbox + token);
   return id;
 }
 
-void NatsChannel::cancel_request(std::uint64_t id) { state_->requests.erase(id); }
+void NatsChannel::cancel_request(std::uint64_t id) { state_->drop_request(id); }
+
+std::size_t NatsChannel::open_requests() const noexcept { return state_->requests.size(); }
 
 void NatsChannel::respond(const Message& request, std::string data) {
   if (request.reply.empty() || closing_) return;

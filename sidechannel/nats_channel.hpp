@@ -93,11 +93,21 @@ class NatsChannel {
   /// reply subject is dropped silently.
   void respond(const Message& request, std::string data);
 
+  /// Requests open at once, at most; beyond it the oldest open request is dropped (its
+  /// handler is never called), so that a caller that never cancels, asking subjects nobody
+  /// answers, cannot grow the table without bound.
+  static constexpr std::size_t kMaxOpenRequests = 16384;
+
   /// Publishes a request whose first answer (or the server's no-responders notice) goes to
-  /// `handler`, once. Returns an id for cancel_request().
+  /// `handler`, once; unless more than kMaxOpenRequests requests are open, in which case the
+  /// oldest is dropped unanswered. Returns an id for cancel_request().
   std::uint64_t request(const std::string& subject, std::string data, MessageHandler handler);
   /// After it returns, the request's handler is not called.
   void cancel_request(std::uint64_t id);
+
+  /// Requests open (neither answered, cancelled nor dropped). Loop thread; for tests and
+  /// diagnostics.
+  std::size_t open_requests() const noexcept;
 
   /// "<prefix>.<suffix>": a subject in ferry's own namespace.
   std::string own_subject(std::string_view suffix) const;

@@ -1,5 +1,6 @@
 // The NATS side channel on its own (sidechannel::NatsChannel), against a private nats-server:
-// answers go only to ferry's reply inboxes; a failing getrandom() does not hang it.
+// answers go only to ferry's reply inboxes; open requests are capped; a failing getrandom()
+// does not hang it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -210,6 +211,38 @@ TEST_F(NatsChannelTest, AFailingGetrandomFallsBackInsteadOfSpinning) {
   EXPECT_EQ(f.get(), "");
   // The fallback ids make working reply subjects.
   EXPECT_EQ(ask(asker, "svc"), "yes");
+}
+
+// --- Open requests are capped ------------------------------------------------------------
+
+TEST_F(NatsChannelTest, OpenRequestsAreCappedOldestFirst) {
+  NatsChannel& ch = open(kAskerId);
+  // A subscriber that never answers holds the subject, so the server sends no "no
+  // responders": every request stays open.
+  ASSERT_EQ(subscribe(ch, "silent", [](const Message&) {}), "");
+  constexpr std::size_t kExtra = 100;
+  std::vector<std::uint64_t> ids;
+  ::testing::internal::CaptureStderr();
+  loop_.call([&] {
+    for (std::size_t i = 0; i < NatsChannel::kMaxOpenRequests + kExtra; ++i)
+      ids.push_back(ch.request("silent", "", [](const Message&) {}));
+  });
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(loop_.call([&] { return ch.open_requests(); }), NatsChannel::kMaxOpenRequests);
+  EXPECT_NE(said.find("NATS requests are open; dropping the oldest"), std::string::npos) << said;
+  EXPECT_EQ(std::set<std::uint64_t>(ids.begin(), ids.end()).size(), ids.size());
+  // The newest are the ones kept: cancelling one of them shrinks the table, cancelling one of
+  // the dropped does not.
+  loop_.call([&] {
+    ch.cancel_request(ids.front());
+    EXPECT_EQ(ch.open_requests(), NatsChannel::kMaxOpenRequests);
+    ch.cancel_request(ids.back());
+    EXPECT_EQ(ch.open_requests(), NatsChannel::kMaxOpenRequests - 1);
+  });
+  // And requests still work.
+  NatsChannel& owner = open(kOwnerId);
+  ASSERT_EQ(subscribe(owner, "svc", [&](const Message& m) { owner.respond(m, "yes"); }), "");
+  EXPECT_EQ(ask(ch, "svc"), "yes");
 }
 
 }  // namespace
