@@ -16,6 +16,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 namespace ferry::sidechannel {
 
@@ -137,10 +138,14 @@ RandomSource set_random_source_for_testing(RandomSource source) {
 // Loop-side state. Shared with cnats callbacks through weak references, so that a message
 // that arrives while the channel closes finds nothing instead of a dangling pointer.
 struct NatsChannel::State {
+  using Clock = std::chrono::steady_clock;
+
   EventLoop::Poster poster;
   std::string prefix;
   std::string inbox;  // "<prefix>.inbox.<client id>"
   std::function<void(SideChannelEvent, const std::string&)> on_event;
+  std::chrono::milliseconds request_timeout{1000};
+  NatsChannel* owner = nullptr;  // null once the channel is closing
 
   // Loop thread only.
   std::unordered_map<std::uint64_t, MessageHandler> subs;
@@ -154,8 +159,18 @@ struct NatsChannel::State {
   std::unordered_map<std::uint64_t, OpenRequest> requests;
   std::list<std::uint64_t> order;
   bool noted_cap = false;
-  std::unordered_map<std::uint64_t, Registered> confirms;
+  // A subscription waiting for its confirmation (see subscribe()).
+  struct Confirm {
+    Registered done;
+    std::string subject;  // the one subscribed to, for errors
+    std::string inbox;    // where the confirmation goes: "<inbox>.c<id>"
+    std::uint64_t sub = 0;
+    Clock::time_point deadline;
+  };
+  std::unordered_map<std::uint64_t, Confirm> confirms;
   std::uint64_t next_sub = 1;
+  // As the connection's events tell (loop side).
+  bool connected = true;
 
   // Written by cnats' callback thread, read by the loop.
   std::atomic<std::int64_t> max_payload{0};
@@ -175,11 +190,7 @@ struct NatsChannel::State {
     const char kind = m.subject[dot + 1];
     std::uint64_t id = std::strtoull(m.subject.c_str() + dot + 2, nullptr, 16);
     if (kind == 'c') {
-      auto it = confirms.find(id);
-      if (it == confirms.end()) return;
-      Registered done = std::move(it->second);
-      confirms.erase(it);
-      done({});
+      if (Registered done = take_confirm(id)) done({});
       return;
     }
     if (kind != 'r') return;
@@ -189,6 +200,34 @@ struct NatsChannel::State {
     order.erase(it->second.in_order);
     requests.erase(it);
     handler(m);
+  }
+  void on_connection_event(SideChannelEvent event, const std::string& detail,
+                           std::int64_t new_max_payload) {
+    switch (event) {
+      case SideChannelEvent::disconnected:
+        connected = false;
+        break;
+      case SideChannelEvent::reconnected:
+        connected = true;
+        if (new_max_payload > 0) max_payload = new_max_payload;
+        if (owner != nullptr) owner->reconfirm();
+        break;
+      case SideChannelEvent::closed:
+        // cnats gave up (or was told to close): nothing pending will ever be confirmed.
+        connected = false;
+        if (owner != nullptr) owner->fail_confirms("the NATS connection is closed");
+        break;
+      case SideChannelEvent::error:
+        break;
+    }
+    if (on_event) on_event(event, detail);
+  }
+  Registered take_confirm(std::uint64_t id) {
+    auto it = confirms.find(id);
+    if (it == confirms.end()) return {};
+    Registered done = std::move(it->second.done);
+    confirms.erase(it);
+    return done;
   }
   void add_request(std::uint64_t id, MessageHandler handler) {
     if (requests.size() >= kMaxOpenRequests) {
@@ -320,10 +359,7 @@ void post_event(natsConnection* nc, void* closure, SideChannelEvent event, std::
   auto* c = static_cast<EventClosure*>(closure);
   std::int64_t max_payload = nc != nullptr ? natsConnection_GetMaxPayload(nc) : 0;
   c->poster.post([state = c->state, event, detail = std::move(detail), max_payload] {
-    auto s = state.lock();
-    if (!s) return;
-    if (event == SideChannelEvent::reconnected && max_payload > 0) s->max_payload = max_payload;
-    if (s->on_event) s->on_event(event, detail);
+    if (auto s = state.lock()) s->on_connection_event(event, detail, max_payload);
   });
 }
 
@@ -355,6 +391,7 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   state_->prefix = o.prefix.empty() ? "ferry" : o.prefix;
   state_->inbox = state_->prefix + ".inbox." + client_id;
   state_->on_event = o.on_event;
+  state_->request_timeout = o.request_timeout;
   if (auto why = subject_problem(state_->inbox); !why.empty())
     throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + state_->prefix + "' " + why);
 
@@ -428,6 +465,11 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   uv_timer_init(loop.uv(), finisher_);
   finisher_->data = this;
   uv_unref(reinterpret_cast<uv_handle_t*>(finisher_));
+  confirm_timer_ = new uv_timer_t{};
+  uv_timer_init(loop.uv(), confirm_timer_);
+  confirm_timer_->data = this;
+  uv_unref(reinterpret_cast<uv_handle_t*>(confirm_timer_));
+  state_->owner = this;
   state_->max_payload = natsConnection_GetMaxPayload(nc);
   char* ip = nullptr;
   int port = 0;
@@ -443,6 +485,7 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
 
 NatsChannel::~NatsChannel() {
   // Handlers die first, so that messages arriving during the close find nothing.
+  state_->owner = nullptr;
   state_->subs.clear();
   state_->requests.clear();
   state_->order.clear();
@@ -459,15 +502,18 @@ NatsChannel::~NatsChannel() {
   natsConnection_Destroy(nc);
   close_and_delete(closer_);
   close_and_delete(finisher_);
+  close_and_delete(confirm_timer_);
 }
 
 void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
   NatsChannel* self = channel.release();
   self->closing_ = true;
+  self->state_->owner = nullptr;
   self->state_->subs.clear();
   self->state_->requests.clear();
   self->state_->order.clear();
   self->state_->confirms.clear();
+  uv_timer_stop(self->confirm_timer_);
   uv_ref(reinterpret_cast<uv_handle_t*>(self->closer_));
   uv_ref(reinterpret_cast<uv_handle_t*>(self->finisher_));
   // The flush runs on the worker while the loop, free, writes what cnats buffered and reads
@@ -495,18 +541,22 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
   }
   if (handler) state_->subs.emplace(id, std::move(handler));
   std::string confirm;
+  std::uint64_t confirm_id = 0;
   if (registered) {
-    const std::uint64_t confirm_id =
+    confirm_id =
         State::random_id([this](std::uint64_t c) { return state_->confirms.count(c) != 0; });
     char token[24];
     std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(confirm_id));
     confirm = state_->inbox + token;
-    state_->confirms.emplace(confirm_id, std::move(registered));
+    state_->confirms.emplace(confirm_id,
+                             State::Confirm{std::move(registered), subject, confirm, id,
+                                            State::Clock::now() + state_->request_timeout});
+    arm_confirm_timer();
   }
   auto* closure = new SubClosure{state_, loop_.poster(), id, inbox};
   auto poster = loop_.poster();
   std::weak_ptr<State> weak = state_;
-  outbox_->push([this, id, subject, queue, closure, confirm, poster, weak] {
+  outbox_->push([this, id, subject, queue, closure, confirm, confirm_id, poster, weak] {
     natsSubscription* sub = nullptr;
     natsStatus s =
         queue.empty()
@@ -517,16 +567,11 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
       delete closure;
       std::string why = std::string("cannot subscribe to ") + subject + ": " + status_text(s);
       // Tell whoever waits for the subscription, on the loop.
-      poster.post([weak, confirm, why] {
-        auto st = weak.lock();
-        if (!st || confirm.empty()) return;
-        auto c = std::strtoull(confirm.c_str() + confirm.rfind('.') + 2, nullptr, 16);
-        auto it = st->confirms.find(c);
-        if (it == st->confirms.end()) return;
-        Registered done = std::move(it->second);
-        st->confirms.erase(it);
-        done(why);
-      });
+      if (!confirm.empty())
+        poster.post([weak, confirm_id, why] {
+          if (auto st = weak.lock())
+            if (Registered done = st->take_confirm(confirm_id)) done(why);
+        });
       return;
     }
     natsSubscription_SetOnCompleteCB(sub, on_sub_complete, closure);
@@ -540,6 +585,17 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
 
 void NatsChannel::unsubscribe(std::uint64_t id) {
   state_->subs.erase(id);
+  // A confirmation still awaited would otherwise wait for a subscription that is gone. Told
+  // after the current callback: the caller may be in the middle of ending what waits.
+  for (auto it = state_->confirms.begin(); it != state_->confirms.end(); ++it) {
+    if (it->second.sub != id) continue;
+    Registered done = std::move(it->second.done);
+    state_->confirms.erase(it);
+    loop_.defer([done = std::move(done)] {
+      done("unsubscribed before the NATS server confirmed the subscription");
+    });
+    break;
+  }
   outbox_->push([this, id] {
     auto it = outbox_->subs.find(id);
     if (it == outbox_->subs.end()) return;
@@ -585,6 +641,8 @@ void NatsChannel::cancel_request(std::uint64_t id) { state_->drop_request(id); }
 
 std::size_t NatsChannel::open_requests() const noexcept { return state_->requests.size(); }
 
+std::size_t NatsChannel::pending_confirmations() const noexcept { return state_->confirms.size(); }
+
 void NatsChannel::respond(const Message& request, std::string data) {
   if (request.reply.empty() || closing_) return;
   if (!is_reply_inbox(state_->prefix, request.reply)) {
@@ -617,6 +675,63 @@ void NatsChannel::note_refused_reply(const Message& request) {
                printable(request.subject).c_str(), printable(request.reply).c_str(), also.c_str());
   refused_noted_ = now;
   refused_unnoted_ = 0;
+}
+
+void NatsChannel::arm_confirm_timer() {
+  if (closing_ || state_->confirms.empty() || !state_->connected) {
+    uv_timer_stop(confirm_timer_);
+    return;
+  }
+  auto earliest = State::Clock::time_point::max();
+  for (const auto& [id, c] : state_->confirms) earliest = std::min(earliest, c.deadline);
+  auto wait = std::chrono::ceil<std::chrono::milliseconds>(earliest - State::Clock::now());
+  uv_timer_start(
+      confirm_timer_, [](uv_timer_t* t) { static_cast<NatsChannel*>(t->data)->expire_confirms(); },
+      static_cast<std::uint64_t>(std::max<std::int64_t>(wait.count(), 0)), 0);
+}
+
+void NatsChannel::expire_confirms() {
+  // While the connection is down the deadlines wait; reconfirm() starts them over.
+  if (closing_ || !state_->connected) return;
+  const auto now = State::Clock::now();
+  std::vector<std::pair<Registered, std::string>> expired;
+  for (auto it = state_->confirms.begin(); it != state_->confirms.end();) {
+    if (it->second.deadline > now) {
+      ++it;
+      continue;
+    }
+    expired.emplace_back(std::move(it->second.done),
+                         "the NATS server did not confirm the subscription to '" +
+                             it->second.subject + "' within " +
+                             std::to_string(state_->request_timeout.count()) + " ms");
+    it = state_->confirms.erase(it);
+  }
+  arm_confirm_timer();
+  // Last: a callback may subscribe or unsubscribe.
+  for (auto& [done, why] : expired) done(why);
+}
+
+void NatsChannel::reconfirm() {
+  // A confirmation may have been lost with the old connection (sent, never echoed). cnats
+  // has sent every SUB again before it reports the reconnect; a new confirmation behind
+  // them comes back once they are in place.
+  if (closing_) return;
+  const auto deadline = State::Clock::now() + state_->request_timeout;
+  for (auto& [id, c] : state_->confirms) {
+    c.deadline = deadline;
+    outbox_->push([this, inbox = c.inbox] {
+      natsConnection_Publish(outbox_->nc, inbox.c_str(), nullptr, 0);
+    });
+  }
+  arm_confirm_timer();
+}
+
+void NatsChannel::fail_confirms(const std::string& why) {
+  std::vector<Registered> failed;
+  for (auto& [id, c] : state_->confirms) failed.push_back(std::move(c.done));
+  state_->confirms.clear();
+  uv_timer_stop(confirm_timer_);
+  for (auto& done : failed) done(why);
 }
 
 }  // namespace ferry::sidechannel

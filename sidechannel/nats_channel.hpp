@@ -71,7 +71,8 @@ class NatsChannel {
   NatsChannel& operator=(const NatsChannel&) = delete;
 
   /// Called on the loop once a subscription is in place at the server (`error` empty), or
-  /// could not be made (`error` says why).
+  /// could not be made or confirmed (`error` says why). Called once at most, and not at all
+  /// once the channel is closing.
   using Registered = std::function<void(const std::string& error)>;
 
   /// Subscribes; `handler` runs on the loop for each message until unsubscribe(). `queue`
@@ -79,6 +80,14 @@ class NatsChannel {
   /// server has the subscription: a request published after that reaches the handler. (The
   /// server handles a connection's messages in order, so a message this connection sends to
   /// itself after the SUB comes back only once the SUB is in place; nothing blocks.)
+  ///
+  /// A confirmation has a deadline of request_timeout, counted while the connection is up:
+  /// after a reconnect every pending confirmation is sent again (behind the SUBs cnats sends
+  /// again) and its deadline starts over; while the connection is down the deadlines wait
+  /// (cnats sends the buffered SUB and confirmation once it is back). A confirmation still
+  /// missing at its deadline, the connection up, is an error ("the NATS server did not
+  /// confirm ..."); so is a connection that cnats closes for good, and an unsubscribe() before
+  /// the confirmation (then reported after the current loop callback).
   std::uint64_t subscribe(const std::string& subject, const std::string& queue,
                           MessageHandler handler, Registered registered = {});
   /// After it returns, the handler is not called again.
@@ -105,9 +114,10 @@ class NatsChannel {
   /// After it returns, the request's handler is not called.
   void cancel_request(std::uint64_t id);
 
-  /// Requests open (neither answered, cancelled nor dropped). Loop thread; for tests and
-  /// diagnostics.
+  /// Requests open (neither answered, cancelled nor dropped) and subscriptions waiting for
+  /// their confirmation. Loop thread; for tests and diagnostics.
   std::size_t open_requests() const noexcept;
+  std::size_t pending_confirmations() const noexcept;
 
   /// "<prefix>.<suffix>": a subject in ferry's own namespace.
   std::string own_subject(std::string_view suffix) const;
@@ -122,6 +132,11 @@ class NatsChannel {
  private:
   struct Outbox;
 
+  // Confirmations' deadlines (see subscribe()).
+  void arm_confirm_timer();
+  void expire_confirms();
+  void reconfirm();
+  void fail_confirms(const std::string& why);
   void note_refused_reply(const Message& request);
 
   EventLoop& loop_;
@@ -134,6 +149,7 @@ class NatsChannel {
   // later, when the loop has written what that flush queued.
   uv_async_t* closer_ = nullptr;
   uv_timer_t* finisher_ = nullptr;
+  uv_timer_t* confirm_timer_ = nullptr;  // the earliest confirmation deadline
   bool closing_ = false;
   // respond()'s rate-limited note.
   std::chrono::steady_clock::time_point refused_noted_{};

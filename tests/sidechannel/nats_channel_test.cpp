@@ -1,6 +1,6 @@
 // The NATS side channel on its own (sidechannel::NatsChannel), against a private nats-server:
-// answers go only to ferry's reply inboxes; open requests are capped; a failing getrandom()
-// does not hang it.
+// answers go only to ferry's reply inboxes; what it keeps for requests and subscription
+// confirmations cannot grow without bound; a failing getrandom() does not hang it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -243,6 +243,94 @@ TEST_F(NatsChannelTest, OpenRequestsAreCappedOldestFirst) {
   NatsChannel& owner = open(kOwnerId);
   ASSERT_EQ(subscribe(owner, "svc", [&](const Message& m) { owner.respond(m, "yes"); }), "");
   EXPECT_EQ(ask(ch, "svc"), "yes");
+}
+
+// --- Subscription confirmations end ------------------------------------------------------
+
+// A server on which ferry's connections may not publish to their inboxes: no confirmation
+// ever comes back.
+test::NatsServer::Options refusing_confirmations() {
+  test::NatsServer::Options o;
+  o.config =
+      "authorization {\n"
+      "  users = [ { user: ferry, password: pw,\n"
+      "              permissions: { publish: { deny: [\"ferry.inbox.>\"] } } } ]\n"
+      "}\n";
+  return o;
+}
+
+class NatsConfirmTest : public NatsChannelTest {
+ protected:
+  NatsConfirmTest() : NatsChannelTest(refusing_confirmations()) {}
+  NatsOptions options() {
+    NatsOptions o = NatsChannelTest::options();
+    o.user = "ferry";
+    o.password = "pw";
+    o.request_timeout = 300ms;
+    return o;
+  }
+};
+
+TEST_F(NatsConfirmTest, AConfirmationThatNeverComesIsAnErrorAtItsDeadline) {
+  NatsChannel& ch = open(kOwnerId, options());
+  auto start = std::chrono::steady_clock::now();
+  std::string error = subscribe(ch, "svc", [](const Message&) {});
+  auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_NE(error.find("the NATS server did not confirm the subscription to 'svc' within 300 ms"),
+            std::string::npos)
+      << error;
+  EXPECT_GE(took, 250ms);
+  EXPECT_EQ(loop_.call([&] { return ch.pending_confirmations(); }), 0u);
+}
+
+TEST_F(NatsConfirmTest, UnsubscribingEndsTheWaitForTheConfirmation) {
+  NatsChannel& ch = open(kOwnerId, options());
+  auto done = std::make_shared<std::promise<std::string>>();
+  auto heard = done->get_future();
+  bool called_inside = false;
+  loop_.call([&] {
+    auto id = ch.subscribe(
+        "svc", {}, [](const Message&) {},
+        [done](const std::string& error) { done->set_value(error); });
+    ch.unsubscribe(id);
+    // Told after this callback, not from inside unsubscribe().
+    called_inside = heard.wait_for(0s) == std::future_status::ready;
+    EXPECT_EQ(ch.pending_confirmations(), 0u);
+  });
+  EXPECT_FALSE(called_inside);
+  ASSERT_EQ(heard.wait_for(100ms), std::future_status::ready);
+  EXPECT_NE(heard.get().find("unsubscribed before"), std::string::npos);
+}
+
+TEST_F(NatsChannelTest, AConfirmationWaitsOutAnOutageAndComesAfterTheReconnect) {
+  std::atomic<int> drops{0}, returns{0};
+  NatsOptions o = options();
+  o.request_timeout = 200ms;
+  o.on_event = [&](SideChannelEvent e, const std::string&) {
+    if (e == SideChannelEvent::disconnected) ++drops;
+    if (e == SideChannelEvent::reconnected) ++returns;
+  };
+  NatsChannel& ch = open(kOwnerId, o);
+  server_.kill();
+  ASSERT_TRUE(test::eventually([&] { return drops > 0; }, 5s));
+
+  auto done = std::make_shared<std::promise<std::string>>();
+  auto heard = done->get_future();
+  loop_.call([&] {
+    ch.subscribe(
+        "svc", {}, [&](const Message& m) { ch.respond(m, "back"); },
+        [done](const std::string& error) { done->set_value(error); });
+  });
+  // Several deadlines long: while the connection is down, the deadline waits.
+  EXPECT_EQ(heard.wait_for(700ms), std::future_status::timeout);
+  EXPECT_EQ(loop_.call([&] { return ch.pending_confirmations(); }), 1u);
+  server_.start();
+  ASSERT_TRUE(test::eventually([&] { return returns > 0; }, 10s));
+  ASSERT_EQ(heard.wait_for(5s), std::future_status::ready);
+  EXPECT_EQ(heard.get(), "");
+  EXPECT_EQ(loop_.call([&] { return ch.pending_confirmations(); }), 0u);
+  NatsChannel& asker = open(kAskerId);
+  EXPECT_EQ(ask(asker, "svc"), "back");
 }
 
 }  // namespace
