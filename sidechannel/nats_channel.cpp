@@ -1,20 +1,22 @@
 #include "sidechannel/nats_channel.hpp"
 #include "loop/uv_handle.hpp"
+#include "sidechannel/nats_adapter.hpp"
 
+#include <fcntl.h>
 #include <nats/nats.h>
 #include <sys/random.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <list>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
-
-// cnats' libuv adapter defines its functions in the header: this must stay the one
-// translation unit that includes it.
-#include <nats/adapters/libuv.h>
+#include <vector>
 
 namespace ferry::sidechannel {
 
@@ -41,6 +43,78 @@ std::string subject_problem(std::string_view subject) {
 
 namespace {
 
+bool lower_hex(std::string_view digits) {
+  return !digits.empty() && std::all_of(digits.begin(), digits.end(), [](char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+  });
+}
+
+}  // namespace
+
+bool is_reply_inbox(std::string_view prefix, std::string_view subject) {
+  // "<prefix>.inbox.<16 hex>.r<1..16 hex>", exactly as request() writes it.
+  constexpr std::string_view kInbox = ".inbox.";
+  if (subject.size() <= prefix.size() + kInbox.size() ||
+      subject.substr(0, prefix.size()) != prefix ||
+      subject.substr(prefix.size(), kInbox.size()) != kInbox)
+    return false;
+  std::string_view rest = subject.substr(prefix.size() + kInbox.size());
+  if (rest.size() < 16 + 3 || rest.size() > 16 + 2 + 16) return false;
+  std::string_view id = rest.substr(0, 16);
+  std::string_view n = rest.substr(18);
+  return lower_hex(id) && rest[16] == '.' && rest[17] == 'r' && lower_hex(n) && n[0] != '0';
+}
+
+namespace {
+
+std::atomic<RandomSource> random_source{&::getrandom};
+
+// 64 random bits from /dev/urandom, or failing that from whatever differs between processes
+// and runs: for the fallback ids below, obtained once per process.
+std::uint64_t process_seed() {
+  std::uint64_t seed = 0;
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    if (::read(fd, &seed, sizeof seed) != static_cast<ssize_t>(sizeof seed)) seed = 0;
+    ::close(fd);
+  }
+  if (seed == 0) {
+    int local = 0;
+    seed = static_cast<std::uint64_t>(
+               std::chrono::high_resolution_clock::now().time_since_epoch().count()) ^
+           (static_cast<std::uint64_t>(::getpid()) << 32) ^
+           reinterpret_cast<std::uintptr_t>(&local) ^
+           std::hash<std::thread::id>{}(std::this_thread::get_id());
+  }
+  return seed;
+}
+
+// splitmix64's finalizer: a bijection of 64-bit values, so distinct counters give distinct
+// ids.
+std::uint64_t mix(std::uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+
+// An id when the random source keeps failing: a process-wide counter mixed with a seed
+// obtained once. Unique within the process (no value repeats before 2^64 ids), but only as
+// hard to guess as the seed; said once on stderr.
+std::uint64_t fallback_id() {
+  static const std::uint64_t seed = process_seed();
+  static std::atomic<std::uint64_t> counter{0};
+  static std::once_flag warned;
+  std::call_once(warned, [] {
+    std::fprintf(stderr,
+                 "ferry: getrandom() keeps failing; NATS reply subjects use a counter mixed with "
+                 "a per-process seed instead\n");
+  });
+  return mix(seed + 0x9e3779b97f4a7c15ULL * ++counter);
+}
+
 std::string status_text(natsStatus s) {
   std::string text = natsStatus_GetText(s);
   // cnats keeps a more precise message (e.g. the server's -ERR) per thread, behind a
@@ -59,21 +133,46 @@ void check(natsStatus s, const char* what) {
 
 }  // namespace
 
+RandomSource set_random_source_for_testing(RandomSource source) {
+  return random_source.exchange(source != nullptr ? source : &::getrandom);
+}
+
 // Loop-side state. Shared with cnats callbacks through weak references, so that a message
 // that arrives while the channel closes finds nothing instead of a dangling pointer.
 struct NatsChannel::State {
+  using Clock = std::chrono::steady_clock;
+
   EventLoop::Poster poster;
   std::string prefix;
   std::string inbox;  // "<prefix>.inbox.<client id>"
   std::function<void(SideChannelEvent, const std::string&)> on_event;
+  std::chrono::milliseconds request_timeout{1000};
+  NatsChannel* owner = nullptr;  // null once the channel is closing
 
   // Loop thread only.
   std::unordered_map<std::uint64_t, MessageHandler> subs;
   // Keyed by random ids: the reply subjects are visible on the wire, and an answer to a
-  // request must not be forgeable by guessing the next one.
-  std::unordered_map<std::uint64_t, MessageHandler> requests;
-  std::unordered_map<std::uint64_t, Registered> confirms;
+  // request must not be forgeable by guessing the next one. `order` lists them oldest first,
+  // for the cap (kMaxOpenRequests).
+  struct OpenRequest {
+    MessageHandler handler;
+    std::list<std::uint64_t>::iterator in_order;
+  };
+  std::unordered_map<std::uint64_t, OpenRequest> requests;
+  std::list<std::uint64_t> order;
+  bool noted_cap = false;
+  // A subscription waiting for its confirmation (see subscribe()).
+  struct Confirm {
+    Registered done;
+    std::string subject;  // the one subscribed to, for errors
+    std::string inbox;    // where the confirmation goes: "<inbox>.c<id>"
+    std::uint64_t sub = 0;
+    Clock::time_point deadline;
+  };
+  std::unordered_map<std::uint64_t, Confirm> confirms;
   std::uint64_t next_sub = 1;
+  // As the connection's events tell (loop side).
+  bool connected = true;
 
   // Written by cnats' callback thread, read by the loop.
   std::atomic<std::int64_t> max_payload{0};
@@ -93,24 +192,82 @@ struct NatsChannel::State {
     const char kind = m.subject[dot + 1];
     std::uint64_t id = std::strtoull(m.subject.c_str() + dot + 2, nullptr, 16);
     if (kind == 'c') {
-      auto it = confirms.find(id);
-      if (it == confirms.end()) return;
-      Registered done = std::move(it->second);
-      confirms.erase(it);
-      done({});
+      if (Registered done = take_confirm(id)) done({});
       return;
     }
+    if (kind != 'r') return;
     auto it = requests.find(id);
-    if (it == requests.end()) return;  // answered already, or cancelled
-    MessageHandler handler = std::move(it->second);
+    if (it == requests.end()) return;  // answered already, cancelled or dropped
+    MessageHandler handler = std::move(it->second.handler);
+    order.erase(it->second.in_order);
     requests.erase(it);
     handler(m);
   }
-  std::uint64_t random_id() {
-    std::uint64_t id = 0;
-    while (id == 0)
-      if (getrandom(&id, sizeof id, 0) != static_cast<ssize_t>(sizeof id)) id = 0;
-    return id;
+  void on_connection_event(SideChannelEvent event, const std::string& detail,
+                           std::int64_t new_max_payload) {
+    switch (event) {
+      case SideChannelEvent::disconnected:
+        connected = false;
+        break;
+      case SideChannelEvent::reconnected:
+        connected = true;
+        if (new_max_payload > 0) max_payload = new_max_payload;
+        if (owner != nullptr) owner->reconfirm();
+        break;
+      case SideChannelEvent::closed:
+        // cnats gave up (or was told to close): nothing pending will ever be confirmed.
+        connected = false;
+        if (owner != nullptr) owner->fail_confirms("the NATS connection is closed");
+        break;
+      case SideChannelEvent::error:
+        break;
+    }
+    if (on_event) on_event(event, detail);
+  }
+  Registered take_confirm(std::uint64_t id) {
+    auto it = confirms.find(id);
+    if (it == confirms.end()) return {};
+    Registered done = std::move(it->second.done);
+    confirms.erase(it);
+    return done;
+  }
+  void add_request(std::uint64_t id, MessageHandler handler) {
+    if (requests.size() >= kMaxOpenRequests) {
+      // The oldest is the likeliest to have been forgotten by its caller; a caller that
+      // still waits asks again (the connector does every request_timeout).
+      requests.erase(order.front());
+      order.pop_front();
+      if (!noted_cap) {
+        noted_cap = true;
+        std::fprintf(stderr,
+                     "ferry: more than %zu NATS requests are open; dropping the oldest "
+                     "unanswered ones (does a subscriber hold a subject without answering?)\n",
+                     kMaxOpenRequests);
+      }
+    }
+    order.push_back(id);
+    requests.emplace(id, OpenRequest{std::move(handler), std::prev(order.end())});
+  }
+  void drop_request(std::uint64_t id) {
+    auto it = requests.find(id);
+    if (it == requests.end()) return;
+    order.erase(it->second.in_order);
+    requests.erase(it);
+  }
+  // A fresh non-zero id that `taken` does not know. getrandom is tried a few times (it fails
+  // when interrupted, or where a kernel or a seccomp filter refuses it); then the
+  // counter-based fallback, whose ids never repeat, so the loop ends within taken's size + 1
+  // turns.
+  template <class Taken>
+  static std::uint64_t random_id(const Taken& taken) {
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      std::uint64_t id = 0;
+      if (random_source.load()(&id, sizeof id, 0) == static_cast<ssize_t>(sizeof id) && id != 0 &&
+          !taken(id))
+        return id;
+    }
+    for (;;)
+      if (std::uint64_t id = fallback_id(); id != 0 && !taken(id)) return id;
   }
 };
 
@@ -204,10 +361,7 @@ void post_event(natsConnection* nc, void* closure, SideChannelEvent event, std::
   auto* c = static_cast<EventClosure*>(closure);
   std::int64_t max_payload = nc != nullptr ? natsConnection_GetMaxPayload(nc) : 0;
   c->poster.post([state = c->state, event, detail = std::move(detail), max_payload] {
-    auto s = state.lock();
-    if (!s) return;
-    if (event == SideChannelEvent::reconnected && max_payload > 0) s->max_payload = max_payload;
-    if (s->on_event) s->on_event(event, detail);
+    if (auto s = state.lock()) s->on_connection_event(event, detail, max_payload);
   });
 }
 
@@ -239,13 +393,9 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   state_->prefix = o.prefix.empty() ? "ferry" : o.prefix;
   state_->inbox = state_->prefix + ".inbox." + client_id;
   state_->on_event = o.on_event;
+  state_->request_timeout = o.request_timeout;
   if (auto why = subject_problem(state_->inbox); !why.empty())
     throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + state_->prefix + "' " + why);
-
-  natsLibuv_Init();
-  // The adapter finds the loop's thread through this thread-local; the connect below
-  // attaches the socket from here, on the loop thread, as the adapter requires.
-  natsLibuv_SetThreadLocalLoop(loop.uv());
 
   natsOptions* opts = nullptr;
   check(natsOptions_Create(&opts), "natsOptions_Create");
@@ -282,9 +432,10 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   check(natsOptions_SetSendAsap(opts, true), "send_asap");
   // One pool of delivery threads instead of a thread per subscription.
   check(natsOptions_UseGlobalMessageDelivery(opts, true), "message delivery");
-  check(natsOptions_SetEventLoop(opts, loop.uv(), natsLibuv_Attach, natsLibuv_Read, natsLibuv_Write,
-                                 natsLibuv_Detach),
-        "event loop");
+  // The socket is polled by the loop through ferry's driver (see nats_adapter.hpp). The
+  // connect below attaches it from here, the loop thread, so it is polled at once.
+  driver_ = std::make_unique<NatsSocketDriver>(loop.uv());
+  check(driver_->install(opts), "event loop");
   auto* events = new EventClosure{state_, loop.poster()};
   natsOptions_SetDisconnectedCB(opts, on_disconnected, events);
   natsOptions_SetReconnectedCB(opts, on_reconnected, events);
@@ -316,6 +467,11 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   uv_timer_init(loop.uv(), finisher_);
   finisher_->data = this;
   uv_unref(reinterpret_cast<uv_handle_t*>(finisher_));
+  confirm_timer_ = new uv_timer_t{};
+  uv_timer_init(loop.uv(), confirm_timer_);
+  confirm_timer_->data = this;
+  uv_unref(reinterpret_cast<uv_handle_t*>(confirm_timer_));
+  state_->owner = this;
   state_->max_payload = natsConnection_GetMaxPayload(nc);
   char* ip = nullptr;
   int port = 0;
@@ -331,27 +487,35 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
 
 NatsChannel::~NatsChannel() {
   // Handlers die first, so that messages arriving during the close find nothing.
+  state_->owner = nullptr;
   state_->subs.clear();
   state_->requests.clear();
+  state_->order.clear();
   state_->confirms.clear();
   state_.reset();
   natsConnection* nc = outbox_->nc;
   outbox_->stop();
-  // On the loop thread: this cnats' adapter stops polling synchronously there (when nothing
-  // of its own is still queued, which close() sees to), before cnats closes the socket.
+  // On the loop thread: the driver applies cnats' stop-polling and detach at once here.
+  // Once Close has returned (it joins cnats' reconnect thread), cnats calls the driver no
+  // more, and the driver closes what it still holds.
   natsConnection_Close(nc);
+  driver_->shutdown();
   for (auto& [id, sub] : outbox_->subs) natsSubscription_Destroy(sub);
   natsConnection_Destroy(nc);
   close_and_delete(closer_);
   close_and_delete(finisher_);
+  close_and_delete(confirm_timer_);
 }
 
 void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
   NatsChannel* self = channel.release();
   self->closing_ = true;
+  self->state_->owner = nullptr;
   self->state_->subs.clear();
   self->state_->requests.clear();
+  self->state_->order.clear();
   self->state_->confirms.clear();
+  uv_timer_stop(self->confirm_timer_);
   uv_ref(reinterpret_cast<uv_handle_t*>(self->closer_));
   uv_ref(reinterpret_cast<uv_handle_t*>(self->finisher_));
   // The flush runs on the worker while the loop, free, writes what cnats buffered and reads
@@ -379,17 +543,22 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
   }
   if (handler) state_->subs.emplace(id, std::move(handler));
   std::string confirm;
+  std::uint64_t confirm_id = 0;
   if (registered) {
-    const std::uint64_t c = state_->random_id();
+    confirm_id =
+        State::random_id([this](std::uint64_t c) { return state_->confirms.count(c) != 0; });
     char token[24];
-    std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(c));
+    std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(confirm_id));
     confirm = state_->inbox + token;
-    state_->confirms.emplace(c, std::move(registered));
+    state_->confirms.emplace(confirm_id,
+                             State::Confirm{std::move(registered), subject, confirm, id,
+                                            State::Clock::now() + state_->request_timeout});
+    arm_confirm_timer();
   }
   auto* closure = new SubClosure{state_, loop_.poster(), id, inbox};
   auto poster = loop_.poster();
   std::weak_ptr<State> weak = state_;
-  outbox_->push([this, id, subject, queue, closure, confirm, poster, weak] {
+  outbox_->push([this, id, subject, queue, closure, confirm, confirm_id, poster, weak] {
     natsSubscription* sub = nullptr;
     natsStatus s =
         queue.empty()
@@ -400,16 +569,11 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
       delete closure;
       std::string why = std::string("cannot subscribe to ") + subject + ": " + status_text(s);
       // Tell whoever waits for the subscription, on the loop.
-      poster.post([weak, confirm, why] {
-        auto st = weak.lock();
-        if (!st || confirm.empty()) return;
-        auto c = std::strtoull(confirm.c_str() + confirm.rfind('.') + 2, nullptr, 16);
-        auto it = st->confirms.find(c);
-        if (it == st->confirms.end()) return;
-        Registered done = std::move(it->second);
-        st->confirms.erase(it);
-        done(why);
-      });
+      if (!confirm.empty())
+        poster.post([weak, confirm_id, why] {
+          if (auto st = weak.lock())
+            if (Registered done = st->take_confirm(confirm_id)) done(why);
+        });
       return;
     }
     natsSubscription_SetOnCompleteCB(sub, on_sub_complete, closure);
@@ -422,24 +586,40 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
 }
 
 void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
+  // A confirmation still awaited would otherwise wait for a subscription that is gone. Told
+  // after the current callback: the caller may be in the middle of ending what waits.
+  for (auto it = state_->confirms.begin(); it != state_->confirms.end(); ++it) {
+    if (it->second.sub != id) continue;
+    Registered done = std::move(it->second.done);
+    state_->confirms.erase(it);
+    loop_.defer([done = std::move(done)] {
+      done("unsubscribed before the NATS server confirmed the subscription");
+    });
+    break;
+  }
   std::string confirm;
   if (last_words.empty() || closing_) {
     state_->subs.erase(id);
   } else {
     // Until the server has processed the UNSUB it still routes requests here: answer them
     // with `last_words` instead of leaving the asker waiting for its request_timeout. The
-    // message we send ourselves behind the UNSUB comes back once the server is past it.
+    // message we send ourselves behind the UNSUB comes back once the server is past it (or
+    // its deadline passes); either way the handler goes then.
     state_->subs[id] = [this, words = std::move(last_words)](const Message& m) {
       if (!m.reply.empty()) respond(m, words);
     };
-    const std::uint64_t c = state_->random_id();
+    const std::uint64_t c =
+        State::random_id([this](std::uint64_t x) { return state_->confirms.count(x) != 0; });
     char token[24];
     std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(c));
     confirm = state_->inbox + token;
     std::weak_ptr<State> weak = state_;
-    state_->confirms.emplace(c, [weak, id](const std::string&) {
-      if (auto st = weak.lock()) st->subs.erase(id);
-    });
+    state_->confirms.emplace(c, State::Confirm{[weak, id](const std::string&) {
+                                                 if (auto st = weak.lock()) st->subs.erase(id);
+                                               },
+                                               "(unsubscribing)", confirm, 0,
+                                               State::Clock::now() + state_->request_timeout});
+    arm_confirm_timer();
   }
   outbox_->push([this, id, confirm] {
     auto it = outbox_->subs.find(id);
@@ -450,20 +630,6 @@ void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
     }
     if (!confirm.empty()) natsConnection_Publish(outbox_->nc, confirm.c_str(), nullptr, 0);
   });
-}
-
-bool NatsChannel::is_own_inbox(std::string_view subject) const {
-  // Any connector's inbox under ferry's prefix: "<prefix>.inbox.<id>.<suffix>".
-  const std::string head = state_->prefix + ".inbox.";
-  return subject.size() > head.size() && subject.substr(0, head.size()) == head &&
-         subject_problem(subject).empty();
-}
-
-void NatsChannel::respond(const Message& request, std::string data) {
-  // Answers go only to ferry's inbox namespace: a requester must not make this connector
-  // publish its metadata (a credential) to a subject of the requester's choosing.
-  if (request.reply.empty() || !is_own_inbox(request.reply)) return;
-  publish(request.reply, std::move(data));
 }
 
 void NatsChannel::publish(const std::string& subject, std::string data, const std::string& reply) {
@@ -489,14 +655,110 @@ void NatsChannel::publish(const std::string& subject, std::string data, const st
 
 std::uint64_t NatsChannel::request(const std::string& subject, std::string data,
                                    MessageHandler handler) {
-  const std::uint64_t id = state_->random_id();
-  state_->requests.emplace(id, std::move(handler));
+  const std::uint64_t id =
+      State::random_id([this](std::uint64_t r) { return state_->requests.count(r) != 0; });
+  state_->add_request(id, std::move(handler));
   char token[24];
   std::snprintf(token, sizeof token, ".r%llx", static_cast<unsigned long long>(id));
   publish(subject, std::move(data), state_->inbox + token);
   return id;
 }
 
-void NatsChannel::cancel_request(std::uint64_t id) { state_->requests.erase(id); }
+void NatsChannel::cancel_request(std::uint64_t id) { state_->drop_request(id); }
+
+std::size_t NatsChannel::open_requests() const noexcept { return state_->requests.size(); }
+
+std::size_t NatsChannel::pending_confirmations() const noexcept { return state_->confirms.size(); }
+
+void NatsChannel::respond(const Message& request, std::string data) {
+  if (request.reply.empty() || closing_) return;
+  if (!is_reply_inbox(state_->prefix, request.reply)) {
+    note_refused_reply(request);
+    return;
+  }
+  publish(request.reply, std::move(data));
+}
+
+void NatsChannel::note_refused_reply(const Message& request) {
+  // At most one line every 10 s: the requester controls how often this happens.
+  const auto now = std::chrono::steady_clock::now();
+  if (refused_noted_ != std::chrono::steady_clock::time_point{} &&
+      now - refused_noted_ < std::chrono::seconds(10)) {
+    ++refused_unnoted_;
+    return;
+  }
+  // Subjects come from the network: print them only when they hold nothing but printable
+  // characters (subject_problem refuses control characters), and not too much of them.
+  auto printable = [](const std::string& subject) {
+    if (!subject_problem(subject).empty()) return std::string("<malformed>");
+    return subject.size() > 200 ? subject.substr(0, 200) + "..." : subject;
+  };
+  std::string also;
+  if (refused_unnoted_ > 0)
+    also = " (and " + std::to_string(refused_unnoted_) + " more since the last note)";
+  std::fprintf(stderr,
+               "ferry: not answering a request at '%s': its reply subject '%s' is not a ferry "
+               "reply inbox%s\n",
+               printable(request.subject).c_str(), printable(request.reply).c_str(), also.c_str());
+  refused_noted_ = now;
+  refused_unnoted_ = 0;
+}
+
+void NatsChannel::arm_confirm_timer() {
+  if (closing_ || state_->confirms.empty() || !state_->connected) {
+    uv_timer_stop(confirm_timer_);
+    return;
+  }
+  auto earliest = State::Clock::time_point::max();
+  for (const auto& [id, c] : state_->confirms) earliest = std::min(earliest, c.deadline);
+  auto wait = std::chrono::ceil<std::chrono::milliseconds>(earliest - State::Clock::now());
+  uv_timer_start(
+      confirm_timer_, [](uv_timer_t* t) { static_cast<NatsChannel*>(t->data)->expire_confirms(); },
+      static_cast<std::uint64_t>(std::max<std::int64_t>(wait.count(), 0)), 0);
+}
+
+void NatsChannel::expire_confirms() {
+  // While the connection is down the deadlines wait; reconfirm() starts them over.
+  if (closing_ || !state_->connected) return;
+  const auto now = State::Clock::now();
+  std::vector<std::pair<Registered, std::string>> expired;
+  for (auto it = state_->confirms.begin(); it != state_->confirms.end();) {
+    if (it->second.deadline > now) {
+      ++it;
+      continue;
+    }
+    expired.emplace_back(std::move(it->second.done),
+                         "the NATS server did not confirm the subscription to '" +
+                             it->second.subject + "' within " +
+                             std::to_string(state_->request_timeout.count()) + " ms");
+    it = state_->confirms.erase(it);
+  }
+  arm_confirm_timer();
+  // Last: a callback may subscribe or unsubscribe.
+  for (auto& [done, why] : expired) done(why);
+}
+
+void NatsChannel::reconfirm() {
+  // A confirmation may have been lost with the old connection (sent, never echoed). cnats
+  // has sent every SUB again before it reports the reconnect; a new confirmation behind
+  // them comes back once they are in place.
+  if (closing_) return;
+  const auto deadline = State::Clock::now() + state_->request_timeout;
+  for (auto& [id, c] : state_->confirms) {
+    c.deadline = deadline;
+    outbox_->push([this, inbox = c.inbox] {
+      natsConnection_Publish(outbox_->nc, inbox.c_str(), nullptr, 0);
+    });
+  }
+  arm_confirm_timer();
+}
+
+void NatsChannel::fail_confirms(const std::string& why) {
+  std::vector<Registered> failed;
+  for (auto& [id, c] : state_->confirms) failed.push_back(std::move(c.done));
+  state_->confirms.clear();
+  uv_timer_stop(confirm_timer_);
+  for (auto& done : failed) done(why);
+}
 
 }  // namespace ferry::sidechannel

@@ -1,6 +1,9 @@
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -28,8 +31,20 @@ using MessageHandler = std::function<void(const Message&)>;
 /// tokens, no whitespace or control characters, at most 1024 characters.
 std::string subject_problem(std::string_view subject);
 
-/// A NATS connection whose socket is driven by a connector's loop through cnats' libuv
-/// adapter.
+/// Whether `subject` is a reply inbox of the form NatsChannel::request() builds under
+/// `prefix`: "<prefix>.inbox.<id>.r<n>", the id 16 lowercase hex digits (a connector's id),
+/// n 1 to 16 lowercase hex digits without a leading zero.
+bool is_reply_inbox(std::string_view prefix, std::string_view subject);
+
+/// Test seam: the source of the random ids in reply and confirmation subjects (getrandom by
+/// default), with getrandom's signature. Returns the previous one. Tests only.
+using RandomSource = ssize_t (*)(void* buffer, std::size_t length, unsigned int flags);
+RandomSource set_random_source_for_testing(RandomSource source);
+
+class NatsSocketDriver;
+
+/// A NATS connection whose socket is driven by a connector's loop (NatsSocketDriver, ferry's
+/// side of cnats' event-loop contract).
 ///
 /// Threads: every method runs on the loop thread. cnats delivers messages and connection
 /// events on threads of its own; they are handed to the loop and handlers run there. Calls
@@ -39,8 +54,8 @@ std::string subject_problem(std::string_view subject);
 /// must not wait for it.
 class NatsChannel {
  public:
-  /// Connects, on the loop thread: cnats' libuv adapter requires the first attach there, so
-  /// this blocks the loop for the handshake (at most options.connect_timeout). Throws
+  /// Connects, on the loop thread: cnats attaches the socket from the thread that connects,
+  /// so this blocks the loop for the handshake (at most options.connect_timeout). Throws
   /// Error(AccessDenied) when the server refuses the credentials, Error(SideChannel)
   /// otherwise.
   NatsChannel(EventLoop& loop, const NatsOptions& options, std::string client_id);
@@ -58,7 +73,8 @@ class NatsChannel {
   NatsChannel& operator=(const NatsChannel&) = delete;
 
   /// Called on the loop once a subscription is in place at the server (`error` empty), or
-  /// could not be made (`error` says why).
+  /// could not be made or confirmed (`error` says why). Called once at most, and not at all
+  /// once the channel is closing.
   using Registered = std::function<void(const std::string& error)>;
 
   /// Subscribes; `handler` runs on the loop for each message until unsubscribe(). `queue`
@@ -66,23 +82,46 @@ class NatsChannel {
   /// server has the subscription: a request published after that reaches the handler. (The
   /// server handles a connection's messages in order, so a message this connection sends to
   /// itself after the SUB comes back only once the SUB is in place; nothing blocks.)
+  ///
+  /// A confirmation has a deadline of request_timeout, counted while the connection is up:
+  /// after a reconnect every pending confirmation is sent again (behind the SUBs cnats sends
+  /// again) and its deadline starts over; while the connection is down the deadlines wait
+  /// (cnats sends the buffered SUB and confirmation once it is back). A confirmation still
+  /// missing at its deadline, the connection up, is an error ("the NATS server did not
+  /// confirm ..."); so is a connection that cnats closes for good, and an unsubscribe() before
+  /// the confirmation (then reported after the current loop callback).
   std::uint64_t subscribe(const std::string& subject, const std::string& queue,
                           MessageHandler handler, Registered registered = {});
   /// After it returns, the handler is not called again. With `last_words`, requests that the
   /// server still routes to the subscription until it has processed the unsubscription are
   /// answered with them.
   void unsubscribe(std::uint64_t id, std::string last_words = {});
-  /// Answers `request` with `data` if its reply subject lies in ferry's inbox namespace
-  /// ("<prefix>.inbox."); drops it otherwise.
-  void respond(const Message& request, std::string data);
-  bool is_own_inbox(std::string_view subject) const;
   void publish(const std::string& subject, std::string data, const std::string& reply = {});
 
+  /// Answers `request` (a message a subscription handler received) with `data`, only if its
+  /// reply subject is a reply inbox that request() builds under this channel's prefix
+  /// (is_reply_inbox). Anything else is dropped with a note on stderr (at most one line every
+  /// 10 s): whoever may publish to a served subject must not be able to make this connection
+  /// publish the answer, a credential, to a subject of its choosing. A request without a
+  /// reply subject is dropped silently.
+  void respond(const Message& request, std::string data);
+
+  /// Requests open at once, at most; beyond it the oldest open request is dropped (its
+  /// handler is never called), so that a caller that never cancels, asking subjects nobody
+  /// answers, cannot grow the table without bound.
+  static constexpr std::size_t kMaxOpenRequests = 16384;
+
   /// Publishes a request whose first answer (or the server's no-responders notice) goes to
-  /// `handler`, once. Returns an id for cancel_request().
+  /// `handler`, once; unless more than kMaxOpenRequests requests are open, in which case the
+  /// oldest is dropped unanswered. Returns an id for cancel_request().
   std::uint64_t request(const std::string& subject, std::string data, MessageHandler handler);
   /// After it returns, the request's handler is not called.
   void cancel_request(std::uint64_t id);
+
+  /// Requests open (neither answered, cancelled nor dropped) and subscriptions waiting for
+  /// their confirmation. Loop thread; for tests and diagnostics.
+  std::size_t open_requests() const noexcept;
+  std::size_t pending_confirmations() const noexcept;
 
   /// "<prefix>.<suffix>": a subject in ferry's own namespace.
   std::string own_subject(std::string_view suffix) const;
@@ -97,16 +136,28 @@ class NatsChannel {
  private:
   struct Outbox;
 
+  // Confirmations' deadlines (see subscribe()).
+  void arm_confirm_timer();
+  void expire_confirms();
+  void reconfirm();
+  void fail_confirms(const std::string& why);
+  void note_refused_reply(const Message& request);
+
   EventLoop& loop_;
   std::shared_ptr<State> state_;
+  std::unique_ptr<NatsSocketDriver> driver_;
   std::unique_ptr<Outbox> outbox_;
   std::string local_ip_;
   std::uint64_t inbox_sub_ = 0;
   // The two-phase close: the worker's final flush wakes closer_; finisher_ runs a loop turn
-  // later, when cnats' adapter has processed what that flush queued.
+  // later, when the loop has written what that flush queued.
   uv_async_t* closer_ = nullptr;
   uv_timer_t* finisher_ = nullptr;
+  uv_timer_t* confirm_timer_ = nullptr;  // the earliest confirmation deadline
   bool closing_ = false;
+  // respond()'s rate-limited note.
+  std::chrono::steady_clock::time_point refused_noted_{};
+  std::uint64_t refused_unnoted_ = 0;
 };
 
 }  // namespace ferry::sidechannel

@@ -30,31 +30,33 @@ using test::nats_options;
 // A plain NATS client of the test's own.
 class RawNats {
  public:
-  // Its inboxes lie in ferry's namespace: owners answer metadata requests nowhere else.
-  explicit RawNats(const std::string& url, const char* inbox_prefix = "ferry.inbox.raw") {
-    natsOptions* opts = nullptr;
-    EXPECT_EQ(natsOptions_Create(&opts), NATS_OK);
-    EXPECT_EQ(natsOptions_SetURL(opts, url.c_str()), NATS_OK);
-    EXPECT_EQ(natsOptions_SetCustomInboxPrefix(opts, inbox_prefix), NATS_OK);
-    EXPECT_EQ(natsConnection_Connect(&nc_, opts), NATS_OK);
-    natsOptions_Destroy(opts);
+  explicit RawNats(const std::string& url) {
+    EXPECT_EQ(natsConnection_ConnectTo(&nc_, url.c_str()), NATS_OK);
   }
   ~RawNats() {
     for (auto* sub : subs_) natsSubscription_Destroy(sub);
     natsConnection_Destroy(nc_);
   }
-  // The metadata a passive operation serves at `subject`.
-  std::string ask(const std::string& subject, int timeout_ms = 5000) {
-    natsMsg* reply = nullptr;
-    natsStatus s = natsConnection_RequestString(&reply, nc_, subject.c_str(), "{}", timeout_ms);
+  // The metadata a passive operation serves at `subject`, asked with a reply subject of the
+  // form ferry's own requests use (owners answer nowhere else), or with `reply` when given.
+  std::string ask(const std::string& subject, int timeout_ms = 5000, std::string reply = {}) {
+    if (reply.empty()) reply = "ferry.inbox.00000000000000ee.r" + std::to_string(++asked_);
+    natsSubscription* inbox = nullptr;
+    natsMsg* answer = nullptr;
+    natsStatus s = natsConnection_SubscribeSync(&inbox, nc_, reply.c_str());
+    if (s == NATS_OK)
+      s = natsConnection_PublishRequestString(nc_, subject.c_str(), reply.c_str(), "{}");
+    if (s == NATS_OK) s = natsSubscription_NextMsg(&answer, inbox, timeout_ms);
+    natsSubscription_Destroy(inbox);
     last_status_ = s;
     if (timeout_ms >= 5000) {
       EXPECT_EQ(s, NATS_OK);
     }
-    if (reply == nullptr) return {};
-    std::string data(natsMsg_GetData(reply),
-                     static_cast<std::size_t>(natsMsg_GetDataLength(reply)));
-    natsMsg_Destroy(reply);
+    natsMsg* reply_msg = answer;
+    if (reply_msg == nullptr) return {};
+    std::string data(natsMsg_GetData(reply_msg),
+                     static_cast<std::size_t>(natsMsg_GetDataLength(reply_msg)));
+    natsMsg_Destroy(reply_msg);
     return data;
   }
   void publish(const std::string& subject, const std::string& data) {
@@ -110,6 +112,7 @@ class RawNats {
   };
   natsConnection* nc_ = nullptr;
   natsStatus last_status_ = NATS_OK;
+  int asked_ = 0;
   std::vector<natsSubscription*> subs_;
 };
 
@@ -227,9 +230,11 @@ TEST_F(NatsHostileTest, MetadataIsAnsweredOnlyToFerrysInboxes) {
   Connector owner(nats_options("owner", {server_.url()}));
   auto src = test::patterned(64, 3);
   auto readable = owner.create_readable({Descriptor(src.data(), src.size())}, at("guarded"));
-  RawNats outsider(server_.url(), "_INBOX.elsewhere");
-  EXPECT_EQ(outsider.ask("guarded", 500), "");
-  EXPECT_EQ(outsider.last_status(), NATS_TIMEOUT);
+  for (const char* foreign : {"_INBOX.elsewhere.r1", "evil.collect",
+                              "ferry.notify.00000000000000ee", "ferry.inbox.00000000000000ee.c1"}) {
+    EXPECT_EQ(raw_.ask("guarded", 300, foreign), "") << foreign;
+    EXPECT_EQ(raw_.last_status(), NATS_TIMEOUT) << foreign;
+  }
   EXPECT_FALSE(raw_.ask("guarded").empty());
 }
 
