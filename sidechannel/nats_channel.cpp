@@ -279,6 +279,7 @@ struct NatsChannel::Outbox {
   std::deque<std::function<void()>> tasks;                    // guarded by mu
   bool stopping = false;                                      // guarded by mu
   std::unordered_map<std::uint64_t, natsSubscription*> subs;  // worker thread only
+  std::vector<natsSubscription*> draining;                    // worker thread only
   std::thread thread;
 
   void start() {
@@ -348,7 +349,16 @@ void on_message(natsConnection*, natsSubscription*, natsMsg* msg, void* closure)
 }
 
 // cnats calls this once no more messages of the subscription will be delivered.
-void on_sub_complete(void* closure) { delete static_cast<SubClosure*>(closure); }
+void on_sub_complete(void* closure) {
+  // cnats is done with the subscription: every message it will ever deliver for it has been
+  // delivered (for a drained one, those the server sent before it processed the UNSUB). Only
+  // now may a handler kept for those go.
+  auto* c = static_cast<SubClosure*>(closure);
+  c->poster.post([state = c->state, id = c->id] {
+    if (auto st = state.lock()) st->subs.erase(id);
+  });
+  delete c;
+}
 
 // What cnats' connection events call back with. Freed by the closed event, the last one
 // cnats delivers for a connection (or by the constructor when the connect fails).
@@ -501,6 +511,7 @@ NatsChannel::~NatsChannel() {
   natsConnection_Close(nc);
   driver_->shutdown();
   for (auto& [id, sub] : outbox_->subs) natsSubscription_Destroy(sub);
+  for (natsSubscription* sub : outbox_->draining) natsSubscription_Destroy(sub);
   natsConnection_Destroy(nc);
   close_and_delete(closer_);
   close_and_delete(finisher_);
@@ -597,38 +608,41 @@ void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
     });
     break;
   }
-  std::string confirm;
-  if (last_words.empty() || closing_) {
+  const bool drain = !last_words.empty() && !closing_;
+  if (!drain) {
     state_->subs.erase(id);
   } else {
     // Until the server has processed the UNSUB it still routes requests here: answer them
     // with `last_words` instead of leaving the asker waiting for its request_timeout. The
-    // message we send ourselves behind the UNSUB comes back once the server is past it (or
-    // its deadline passes); either way the handler goes then.
+    // subscription is drained, not dropped (cnats would discard at once what the server still
+    // sends), and the handler goes when cnats says the drain is complete (on_sub_complete).
     state_->subs[id] = [this, words = std::move(last_words)](const Message& m) {
       if (!m.reply.empty()) respond(m, words);
     };
-    const std::uint64_t c =
-        State::random_id([this](std::uint64_t x) { return state_->confirms.count(x) != 0; });
-    char token[24];
-    std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(c));
-    confirm = state_->inbox + token;
-    std::weak_ptr<State> weak = state_;
-    state_->confirms.emplace(c, State::Confirm{[weak, id](const std::string&) {
-                                                 if (auto st = weak.lock()) st->subs.erase(id);
-                                               },
-                                               "(unsubscribing)", confirm, 0,
-                                               State::Clock::now() + state_->request_timeout});
-    arm_confirm_timer();
   }
-  outbox_->push([this, id, confirm] {
+  outbox_->push([this, id, drain, poster = loop_.poster(), weak = std::weak_ptr<State>(state_)] {
+    // Drained subscriptions are destroyed once cnats has closed them.
+    std::erase_if(outbox_->draining, [](natsSubscription* sub) {
+      if (natsSubscription_IsValid(sub)) return false;
+      natsSubscription_Destroy(sub);
+      return true;
+    });
     auto it = outbox_->subs.find(id);
-    if (it != outbox_->subs.end()) {
+    if (it == outbox_->subs.end()) {
+      // Never subscribed (cnats refused it): no drain will end the kept handler.
+      if (drain)
+        poster.post([weak, id] {
+          if (auto st = weak.lock()) st->subs.erase(id);
+        });
+      return;
+    }
+    if (drain && natsSubscription_Drain(it->second) == NATS_OK) {
+      outbox_->draining.push_back(it->second);
+    } else {
       natsSubscription_Unsubscribe(it->second);
       natsSubscription_Destroy(it->second);
-      outbox_->subs.erase(it);
     }
-    if (!confirm.empty()) natsConnection_Publish(outbox_->nc, confirm.c_str(), nullptr, 0);
+    outbox_->subs.erase(it);
   });
 }
 

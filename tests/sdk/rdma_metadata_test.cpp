@@ -49,6 +49,18 @@ TEST(RdmaMetadata, RoundTripKeepsEveryField) {
   EXPECT_EQ(back.total_size(), 4106u);
 }
 
+// Encoding never fails: text that is not valid UTF-8 (a name that came from a peer, say)
+// becomes U+FFFD instead of throwing from to_json().
+TEST(RdmaMetadata, ToJsonReplacesInvalidUtf8InsteadOfThrowing) {
+  RdmaMetadata m = sample();
+  m.owner.name = "bad\xff\xfename";
+  std::string doc;
+  ASSERT_NO_THROW(doc = m.to_json());
+  RdmaMetadata back = RdmaMetadata::from_json(doc);
+  EXPECT_EQ(back.owner.name.find('\xff'), std::string::npos) << back.owner.name;
+  EXPECT_NE(back.owner.name.find("\xef\xbf\xbd"), std::string::npos) << back.owner.name;
+}
+
 TEST(RdmaMetadata, DocumentCarriesAVersion) {
   json doc = json::parse(sample().to_json());
   EXPECT_EQ(doc.at("version"), RdmaMetadata::kVersion);

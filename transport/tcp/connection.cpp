@@ -151,6 +151,9 @@ void Connection::poll_event(uv_poll_t* handle, int status, int events) {
     int err = 0;
     socklen_t len = sizeof err;
     if (getsockopt(self->fd_, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err == 0) err = EIO;
+    // Frames the peer sent before its reset (a notice saying why) are still queued: read them.
+    if (!self->connecting_ && !self->closing_after_flush_) self->read_some();
+    if (self->closed_) return;
     self->fail(socket_error_text(err));
     return;
   }

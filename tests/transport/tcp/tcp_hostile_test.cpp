@@ -168,6 +168,30 @@ TEST(TcpSlots, AConnectionThatClaimsNothingIsClosedAfterTheTimeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
+// A claimant that goes silent with nothing in flight (every answer read, its socket open,
+// its kernel still acknowledging) is noticed by the owner's watchdog alone: the kernel's user
+// timeout has no unacknowledged data to time out. The readable errors within peer_timeout.
+TEST(TcpSlots, AClaimantSilentBetweenRequestsErrorsTheOperationWithinPeerTimeout) {
+  ConnectorOptions o = test::named("owner");
+  o.peer_timeout = std::chrono::milliseconds(500);
+  Connector owner(o);
+  auto memory = patterned(4096, 3);
+  auto readable = owner.create_readable({Descriptor(memory.data(), memory.size())});
+  const Target t = target_of(readable.metadata());
+  RawClient client(t.address);
+  ASSERT_TRUE(greeted(client, "silent-claimant"));
+  ASSERT_TRUE(client.send_frame(request(FrameType::read, t, 1, t.base, 64))) << client.error();
+  EXPECT_TRUE(is_data(client.read_frame(), 1, 64, 3, 0)) << client.error();
+  ASSERT_TRUE(eventually([&] { return readable.status() == OperationStatus::in_progress; }));
+  // Silent from here on, the socket left open.
+  auto start = std::chrono::steady_clock::now();
+  auto e = wait_for_failure(readable);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code(), ErrorCode::PeerLost) << e->what();
+  EXPECT_NE(std::string(e->what()).find("silent-claimant"), std::string::npos) << e->what();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
 // ---------------------------------------------------------------------------------------
 // Tokens
 
