@@ -212,7 +212,16 @@ Connection::Sink TcpTransport::client_frame(Connection& conn, const FrameHeader&
           chunk_done(t, h.req_id, p.len);
           break;
         case PendingKind::done:
-          if (t.done == t.total) finish_transfer(t, std::nullopt);
+          // The server answers DONE only after every frame before it: success while chunks
+          // are unanswered is a lie, and waiting for them would hang (nothing more is due).
+          if (t.done == t.total)
+            finish_transfer(t, std::nullopt);
+          else
+            finish_transfer(t, Error(ErrorCode::ProtocolError,
+                                     "peer " + conn.describe_peer() +
+                                         " answered DONE before the write's last chunk (" +
+                                         std::to_string(t.done) + " of " + std::to_string(t.total) +
+                                         " bytes acknowledged)"));
           break;
         case PendingKind::read_chunk:
           return fatal("a read request was answered with success but no data");

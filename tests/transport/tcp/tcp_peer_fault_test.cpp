@@ -160,6 +160,42 @@ TEST(PeerFaults, AClosingPooledConnectionIsNotReused) {
   fake_server.join();
 }
 
+// A server that answers DONE before the write's last chunk lies (it answers DONE only after
+// every earlier frame); the write must end, not wait for an answer that already came.
+TEST(PeerFaults, DoneAnsweredBeforeTheLastChunkIsAProtocolError) {
+  RawListener server;
+  std::promise<void> release;
+  std::thread fake_server([&] {
+    RawClient peer(RawClient::Adopt{}, server.accept());
+    (void)peer.read_frame();  // HELLO
+    FrameHeader hello;
+    hello.type = FrameType::hello;
+    peer.send_frame(hello, "liar");
+    auto write = peer.read_frame();
+    auto done = peer.read_frame();
+    if (write && done) {
+      FrameHeader ok;
+      ok.type = FrameType::status;
+      ok.req_id = done->header.req_id;
+      peer.send_frame(ok);
+      ok.req_id = write->header.req_id;
+      peer.send_frame(ok);
+    }
+    release.get_future().wait();  // connected and silent from here on
+  });
+  {
+    Connector client(quick("client"));
+    std::vector<char> src(4096, 1);
+    auto write = client.begin_write({Descriptor(src.data(), src.size())},
+                                    fake(OperationKind::write, server.address(), "liar"));
+    EXPECT_EQ(ended_with(write, 5s), ErrorCode::ProtocolError);
+    EXPECT_NE(write.error()->message().find("answered DONE before"), std::string::npos)
+        << write.error()->message();
+  }
+  release.set_value();
+  fake_server.join();
+}
+
 TEST(PeerFaults, ServerThatNeverSendsHelloFails) {
   RawListener server;
   std::promise<void> release;
