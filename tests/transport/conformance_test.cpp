@@ -85,6 +85,9 @@ std::vector<Harness> harnesses() {
   };
 }
 
+// gtest prints a parameter by this, not as bytes.
+void PrintTo(const Harness& harness, std::ostream* os) { *os << harness.method; }
+
 std::string harness_name(const ::testing::TestParamInfo<Harness>& info) {
   return info.param.method;
 }
@@ -449,6 +452,11 @@ class Rig {
   }
   ExposureLog& exposure_log() { return exposure_logs_.emplace_back(); }
   TransferLog& transfer_log() { return transfer_logs_.emplace_back(); }
+  /// Memory that outlives every side, so that a test failing half-way leaves no transport
+  /// with freed memory in hand.
+  Pieces& memory(const std::vector<std::size_t>& sizes, std::uint64_t seed) {
+    return memory_.emplace_back(sizes, seed);
+  }
 
   Served expose(Side& owner, Access access, const std::vector<Region>& regions, ExposureLog& log) {
     Served s;
@@ -502,7 +510,7 @@ class Rig {
   void expect_token_dead(Side& owner, const Served& served) {
     Side& late = side("late");
     TransferLog& log = transfer_log();
-    auto dst = test::buffer(1);
+    Pieces& dst = memory({1}, 0);
     const Region& r = served.exposure.regions.at(0);
     Running t = start(late, spec(owner, served, {Segment{address_of(r.ptr), dst.data(), 1}}), log);
     auto end = log.wait_end();
@@ -515,7 +523,8 @@ class Rig {
 
  private:
   Harness harness_;
-  // Observers before sides: they outlive the transports that call them.
+  // Memory and observers before sides: they outlive the transports that use them.
+  std::deque<Pieces> memory_;
   std::deque<ExposureLog> exposure_logs_;
   std::deque<TransferLog> transfer_logs_;
   std::deque<std::unique_ptr<Side>> sides_;
@@ -579,8 +588,8 @@ class Data : public ::testing::TestWithParam<std::tuple<Harness, std::size_t>>, 
     Side& owner = side("owner");
     Side& active = side("active");
     const std::uint64_t seed = access == Access::read ? 11 : 12;
-    Pieces remote(cut(size, {1000, 1, 300000}), access == Access::read ? seed : 0);
-    Pieces local(cut(size, {2048, 7, 524288}), access == Access::read ? 0 : seed);
+    Pieces& remote = memory(cut(size, {1000, 1, 300000}), access == Access::read ? seed : 0);
+    Pieces& local = memory(cut(size, {2048, 7, 524288}), access == Access::read ? 0 : seed);
     ExposureLog& olog = exposure_log();
     TransferLog& alog = transfer_log();
     Served served = expose(owner, access, remote.regions(), olog);
@@ -624,8 +633,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, Data,
 TEST_P(Conformance, RevokeMidWriteStopsEveryLaterWrite) {
   Side& owner = side("owner");
   Side& active = side("active", kSlowChunk);
-  Pieces dst({kBig}, 0);
-  Pieces src({kBig}, 21);
+  Pieces& dst = memory({kBig}, 0);
+  Pieces& src = memory({kBig}, 21);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::write, dst.regions(), olog);
@@ -656,8 +665,8 @@ TEST_P(Conformance, RevokeMidWriteStopsEveryLaterWrite) {
 TEST_P(Conformance, RevokeMidReadStopsEveryLaterRead) {
   Side& owner = side("owner");
   Side& active = side("active", kSlowChunk);
-  Pieces src({kBig}, 22);
-  Pieces dst({kBig}, 0);
+  Pieces& src = memory({kBig}, 22);
+  Pieces& dst = memory({kBig}, 0);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::read, src.regions(), olog);
@@ -688,7 +697,7 @@ TEST_P(Conformance, RevokeMidReadStopsEveryLaterRead) {
 TEST_P(Conformance, RevokeBeforeAnyRequestLeavesNothingToClaim) {
   Side& owner = side("owner");
   Side& active = side("active");
-  Pieces src({4096}, 23);
+  Pieces& src = memory({4096}, 23);
   ExposureLog& olog = exposure_log();
   Served served = expose(owner, Access::read, src.regions(), olog);
   owner.call([&] {
@@ -714,8 +723,8 @@ TEST_P(Conformance, RevokeOfAnUnknownIdDoesNothing) {
 TEST_P(Conformance, CancelMidReadLeavesTheLocalMemoryAloneAndTellsThePeer) {
   Side& owner = side("owner");
   Side& active = side("active", kSlowChunk);
-  Pieces src({kBig}, 24);
-  Pieces dst({kBig}, 0);
+  Pieces& src = memory({kBig}, 24);
+  Pieces& dst = memory({kBig}, 0);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::read, src.regions(), olog);
@@ -752,8 +761,8 @@ TEST_P(Conformance, CancelMidReadLeavesTheLocalMemoryAloneAndTellsThePeer) {
 TEST_P(Conformance, CancelMidWriteReadsNoMoreLocalMemoryAndTellsThePeer) {
   Side& owner = side("owner");
   Side& active = side("active", kSlowChunk);
-  Pieces dst({kBig}, 0);
-  Pieces src({kBig}, 25);
+  Pieces& dst = memory({kBig}, 0);
+  Pieces& src = memory({kBig}, 25);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::write, dst.regions(), olog);
@@ -787,8 +796,8 @@ TEST_P(Conformance, CancelMidWriteReadsNoMoreLocalMemoryAndTellsThePeer) {
 TEST_P(Conformance, DestroyingATransferCancelsIt) {
   Side& owner = side("owner");
   Side& active = side("active", kSlowChunk);
-  Pieces src({kBig}, 26);
-  Pieces dst({kBig}, 0);
+  Pieces& src = memory({kBig}, 26);
+  Pieces& dst = memory({kBig}, 0);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::read, src.regions(), olog);
@@ -816,8 +825,8 @@ void second_claimant_refused(Rig& rig, Access access) {
   Side& second = rig.side("second");
   constexpr std::size_t size = 4u << 20;
   const bool reading = access == Access::read;
-  Pieces theirs({size}, reading ? 31 : 0);
-  Pieces mine({size}, reading ? 0 : 31);
+  Pieces& theirs = rig.memory({size}, reading ? 31 : 0);
+  Pieces& mine = rig.memory({size}, reading ? 0 : 31);
   ExposureLog& olog = rig.exposure_log();
   TransferLog& flog = rig.transfer_log();
   TransferLog& slog = rig.transfer_log();
@@ -828,7 +837,7 @@ void second_claimant_refused(Rig& rig, Access access) {
   Running t1 = Rig::start(first, Rig::whole(owner, served, mine.regions()), flog);
   ASSERT_TRUE(olog.wait_claim().has_value());
 
-  Pieces poison({4096}, 0);
+  Pieces& poison = rig.memory({4096}, 0);
   std::memset(poison.data(), static_cast<int>(kPoison), 4096);
   const Region& r = theirs.regions()[0];
   Running t2 = Rig::start(
@@ -871,8 +880,8 @@ TEST_P(Conformance, SecondClaimantOfAWritableIsRefused) {
 TEST_P(Conformance, WrongTokenAndUnknownIdGetTheSameRefusal) {
   Side& owner = side("owner");
   Side& prober = side("prober");
-  Pieces src({4096}, 32);
-  Pieces dst({4096}, 0);
+  Pieces& src = memory({4096}, 32);
+  Pieces& dst = memory({4096}, 0);
   ExposureLog& olog = exposure_log();
   Served served = expose(owner, Access::read, src.regions(), olog);
 
@@ -907,9 +916,9 @@ TEST_P(Conformance, WrongTokenAndUnknownIdGetTheSameRefusal) {
 TEST_P(Conformance, WrongAccessKindIsRefused) {
   Side& owner = side("owner");
   Side& prober = side("prober");
-  Pieces readable({4096}, 33);
-  Pieces writable({4096}, 0);
-  Pieces local({4096}, 34);
+  Pieces& readable = memory({4096}, 33);
+  Pieces& writable = memory({4096}, 0);
+  Pieces& local = memory({4096}, 34);
   Served r = expose(owner, Access::read, readable.regions(), exposure_log());
   Served w = expose(owner, Access::write, writable.regions(), exposure_log());
 
@@ -939,11 +948,12 @@ TEST_P(Conformance, RangesOutsideTheExposureAreRefused) {
   Side& owner = side("owner");
   Side& prober = side("prober");
   // Two regions with a gap between them: a range across the gap is outside too.
-  std::vector<std::byte> block(3 * 4096, std::byte{0x77});
+  Pieces& block = memory({3 * 4096}, 0);
+  std::memset(block.data(), 0x77, 3 * 4096);
   std::byte* a = block.data();
   std::byte* b = block.data() + 2 * 4096;
   const std::vector<Region> regions = {{a, 4096, MemoryKind::host}, {b, 4096, MemoryKind::host}};
-  Pieces local({8192}, 35);
+  Pieces& local = memory({8192}, 35);
 
   struct Case {
     Access access;
@@ -975,7 +985,7 @@ TEST_P(Conformance, RangesOutsideTheExposureAreRefused) {
         << end->error->what();
   }
   owner.settle();
-  EXPECT_TRUE(owner.call([&] { return all_are(block.data(), block.size(), std::byte{0x77}); }))
+  EXPECT_TRUE(owner.call([&] { return all_are(block.data(), 3 * 4096, std::byte{0x77}); }))
       << "a refused write changed the memory";
 }
 
@@ -986,8 +996,8 @@ void claim_secret_reaches_the_claimant(Rig& rig, Access access) {
   Side& owner = rig.side("owner");
   Side& active = rig.side("claimant");
   const bool reading = access == Access::read;
-  Pieces theirs({65536}, reading ? 41 : 0);
-  Pieces mine({65536}, reading ? 0 : 41);
+  Pieces& theirs = rig.memory({65536}, reading ? 41 : 0);
+  Pieces& mine = rig.memory({65536}, reading ? 0 : 41);
   ExposureLog& olog = rig.exposure_log();
   TransferLog& alog = rig.transfer_log();
   Served served = rig.expose(owner, access, theirs.regions(), olog);
@@ -1022,8 +1032,8 @@ TEST_P(Conformance, ClaimSecretOfAWriteReachesTheClaimant) {
 TEST_P(Conformance, DestroyingThePassiveSideFailsTheActiveTransferInBoundedTime) {
   Side& owner = side("owner");
   Side& active = side("active", kSlowChunk);
-  Pieces src({kBig}, 51);
-  Pieces dst({kBig}, 0);
+  Pieces& src = memory({kBig}, 51);
+  Pieces& dst = memory({kBig}, 0);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::read, src.regions(), olog);
@@ -1050,8 +1060,8 @@ TEST_P(Conformance, DestroyingThePassiveSideFailsTheActiveTransferInBoundedTime)
 TEST_P(Conformance, ClosingTheActiveSideLosesThePassivePeerInBoundedTime) {
   Side& owner = side("owner");
   Side& active = side("active", kSlowChunk);
-  Pieces dst({kBig}, 0);
-  Pieces src({kBig}, 52);
+  Pieces& dst = memory({kBig}, 0);
+  Pieces& src = memory({kBig}, 52);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::write, dst.regions(), olog);
@@ -1084,8 +1094,8 @@ TEST_P(Conformance, ClosingTheActiveSideLosesThePassivePeerInBoundedTime) {
 TEST_P(Conformance, OverlappingWritesDoNotCountTwice) {
   Side& owner = side("owner");
   Side& active = side("active");
-  Pieces dst({8192}, 0);
-  Pieces src({8192}, 61);
+  Pieces& dst = memory({8192}, 0);
+  Pieces& src = memory({8192}, 61);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::write, dst.regions(), olog);
@@ -1111,8 +1121,8 @@ TEST_P(Conformance, OverlappingWritesDoNotCountTwice) {
 TEST_P(Conformance, OverlappingWritesThatCoverEveryByteComplete) {
   Side& owner = side("owner");
   Side& active = side("active");
-  Pieces dst({8192}, 0);
-  Pieces src({12288}, 62);
+  Pieces& dst = memory({8192}, 0);
+  Pieces& src = memory({12288}, 62);
   ExposureLog& olog = exposure_log();
   TransferLog& alog = transfer_log();
   Served served = expose(owner, Access::write, dst.regions(), olog);
@@ -1140,8 +1150,8 @@ TEST_P(Conformance, OverlappingWritesThatCoverEveryByteComplete) {
 TEST_P(Conformance, AnEndpointItCannotParseIsInvalidMetadata) {
   Side& owner = side("owner");
   Side& active = side("active");
-  Pieces src({16}, 71);
-  Pieces dst({16}, 0);
+  Pieces& src = memory({16}, 71);
+  Pieces& dst = memory({16}, 0);
   Served served = expose(owner, Access::read, src.regions(), exposure_log());
   TransferSpec s = whole(owner, served, dst.regions());
   s.endpoint.address = "no address at all";
@@ -1160,7 +1170,7 @@ TEST_P(Conformance, AnEndpointItCannotParseIsInvalidMetadata) {
 TEST_P(Conformance, AClosedTransportRefusesNewWork) {
   Side& owner = side("owner");
   Side& active = side("active");
-  Pieces src({16}, 72);
+  Pieces& src = memory({16}, 72);
   Served served = expose(owner, Access::read, src.regions(), exposure_log());
   const TransferSpec s = whole(owner, served, src.regions());
   active.call([&] { active.transport().close(); });
@@ -1182,16 +1192,16 @@ TEST_P(Conformance, AClosedTransportRefusesNewWork) {
 
 TEST_P(Conformance, ARangeInsideARegisteredOneReusesItsRegistration) {
   Side& owner = side("owner");
-  std::vector<std::byte> memory(65536);
+  Pieces& bytes = memory({65536}, 0);
   owner.call([&] {
     Transport& t = owner.transport();
-    auto whole_range = t.register_memory({memory.data(), memory.size(), MemoryKind::host});
-    auto inner = t.register_memory({memory.data() + 4096, 4096, MemoryKind::host});
+    auto whole_range = t.register_memory({bytes.data(), 65536, MemoryKind::host});
+    auto inner = t.register_memory({bytes.data() + 4096, 4096, MemoryKind::host});
     EXPECT_EQ(inner.get(), whole_range.get());
-    EXPECT_TRUE(whole_range->covers(address_of(memory.data()), memory.size()));
+    EXPECT_TRUE(whole_range->covers(address_of(bytes.data()), 65536));
     if (!t.capabilities().moves(MemoryKind::cuda)) {
       try {
-        (void)t.register_memory({memory.data(), 16, MemoryKind::cuda});
+        (void)t.register_memory({bytes.data(), 16, MemoryKind::cuda});
         ADD_FAILURE() << "registered a memory kind it does not move";
       } catch (const Error& e) {
         EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
