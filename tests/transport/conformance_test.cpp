@@ -12,10 +12,16 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "loop/event_loop.hpp"
 #include "loop/ids.hpp"
@@ -47,6 +53,9 @@ struct Params {
 struct Harness {
   std::string method;
   std::function<std::unique_ptr<Transport>(loop::EventLoop& loop, const Params& params)> make;
+  /// An address of this method where no transport answers; `keep` holds what keeps it so
+  /// for as long as the test needs it.
+  std::function<std::string(std::shared_ptr<void>& keep)> dead_address;
 };
 
 std::function<void(std::function<void()>)> defer_on(loop::EventLoop& loop) {
@@ -54,7 +63,8 @@ std::function<void(std::function<void()>)> defer_on(loop::EventLoop& loop) {
 }
 
 Harness tcp_harness() {
-  return {"tcp", [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
+  return {"tcp",
+          [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
             tcp::TcpTransport::Options o;
             o.bind_address = "127.0.0.1";
             o.local_name = p.name;
@@ -65,17 +75,33 @@ Harness tcp_harness() {
               o.window = p.chunk_size;
             }
             return std::make_unique<tcp::TcpTransport>(loop.uv(), defer_on(loop), o);
+          },
+          [](std::shared_ptr<void>& keep) -> std::string {
+            // A port bound but not listening: connecting is refused, and nobody else can
+            // take the port while the socket is open.
+            const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+            sockaddr_in a{};
+            a.sin_family = AF_INET;
+            a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+            socklen_t len = sizeof a;
+            if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 ||
+                ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0)
+              throw std::runtime_error("cannot bind a loopback socket");
+            keep = std::shared_ptr<void>(nullptr, [fd](void*) { ::close(fd); });
+            return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
           }};
 }
 
 Harness fake_harness() {
-  return {"fake", [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
+  return {"fake",
+          [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
             test::FakeTransport::Options o;
             o.local_name = p.name;
             o.local_id = p.id;
             if (p.chunk_size != 0) o.chunk_size = p.chunk_size;
             return std::make_unique<test::FakeTransport>(loop.uv(), defer_on(loop), o);
-          }};
+          },
+          [](std::shared_ptr<void>&) -> std::string { return "fake:999999999"; }};
 }
 
 std::vector<Harness> harnesses() {
@@ -267,22 +293,28 @@ class ExposureLog final : public ExposureObserver, public Log {
 
 class TransferLog final : public TransferObserver, public Log {
  public:
+  /// Runs on the loop after the call that ends the transfer is recorded, inside that call.
+  std::function<void()> on_end;
+
   void on_transfer_complete() override {
     Event e;
     e.call = Call::complete;
     add(e);
+    if (on_end) on_end();
   }
   void on_transfer_failed(const Error& error) override {
     Event e;
     e.call = Call::failed;
     e.error = error;
     add(e);
+    if (on_end) on_end();
   }
   void on_transfer_setup_failed(const Error& error) override {
     Event e;
     e.call = Call::setup_failed;
     e.error = error;
     add(e);
+    if (on_end) on_end();
   }
 };
 
@@ -427,6 +459,9 @@ class Running {
   }
   /// Loop thread only.
   Transfer& get() { return *transfer_; }
+  /// Loop thread only: destroys the transfer here and now.
+  void destroy_here() { transfer_.reset(); }
+  bool alive() const { return transfer_ != nullptr; }
 
  private:
   Side* side_ = nullptr;
@@ -1142,6 +1177,133 @@ TEST_P(Conformance, OverlappingWritesThatCoverEveryByteComplete) {
   owner.call([] {});
   EXPECT_EQ(test::first_mismatch(dst.data(), 2048, 62, 0), -1);
   EXPECT_EQ(test::first_mismatch(dst.data() + 2048, 6144, 62, 6144), -1);
+}
+
+// ---------------------------------------------------------------------------------------
+// How Core uses a transport
+
+TEST_P(Conformance, AnObserverMayDestroyItsTransferFromItsCallback) {
+  Side& owner = side("owner");
+  Side& active = side("active");
+  for (Access access : {Access::read, Access::write}) {
+    Pieces& theirs = memory({65536}, access == Access::read ? 81 : 0);
+    Pieces& mine = memory({65536}, access == Access::read ? 0 : 81);
+    ExposureLog& olog = exposure_log();
+    TransferLog& alog = transfer_log();
+    Served served = expose(owner, access, theirs.regions(), olog);
+    auto holder = std::make_shared<Running>();
+    alog.on_end = [holder] { holder->destroy_here(); };
+    active.call([&] {
+      *holder =
+          Running(active, active.transport().start(whole(owner, served, mine.regions()), alog));
+    });
+    auto end = alog.wait_end();
+    ASSERT_TRUE(end.has_value());
+    EXPECT_EQ(end->call, Call::complete) << (end->error ? end->error->what() : "");
+    auto passive = olog.wait_end();
+    ASSERT_TRUE(passive.has_value());
+    EXPECT_EQ(passive->call, Call::peer_finished);
+    EXPECT_FALSE(passive->error.has_value());
+    active.settle();
+    EXPECT_FALSE(active.call([&] { return holder->alive(); }));
+    EXPECT_EQ(alog.events().size(), 1u) << alog.text();
+    EXPECT_EQ((access == Access::read ? mine : theirs).mismatch(81), -1);
+  }
+}
+
+TEST_P(Conformance, ManyTransfersAtOnceThroughOneTransport) {
+  Side& owner = side("owner");
+  Side& active = side("active", kSlowChunk);
+  constexpr int kCount = 8;
+  std::vector<Running> running;
+  std::vector<TransferLog*> logs;
+  std::vector<ExposureLog*> owner_logs;
+  std::vector<Pieces*> destinations;
+  for (int i = 0; i < kCount; ++i) {
+    const Access access = i % 2 == 0 ? Access::read : Access::write;
+    const std::uint64_t seed = 100 + static_cast<std::uint64_t>(i);
+    Pieces& theirs =
+        memory({65536 + 4096 * static_cast<std::size_t>(i)}, access == Access::read ? seed : 0);
+    Pieces& mine =
+        memory({65536 + 4096 * static_cast<std::size_t>(i)}, access == Access::read ? 0 : seed);
+    ExposureLog& olog = exposure_log();
+    Served served = expose(owner, access, theirs.regions(), olog);
+    TransferLog& log = transfer_log();
+    logs.push_back(&log);
+    owner_logs.push_back(&olog);
+    destinations.push_back(access == Access::read ? &mine : &theirs);
+    running.push_back(start(active, whole(owner, served, mine.regions()), log));
+  }
+  for (int i = 0; i < kCount; ++i) {
+    auto end = logs[i]->wait_end();
+    ASSERT_TRUE(end.has_value()) << "transfer " << i;
+    EXPECT_EQ(end->call, Call::complete)
+        << "transfer " << i << ": " << (end->error ? end->error->what() : "");
+    auto passive = owner_logs[i]->wait_end();
+    ASSERT_TRUE(passive.has_value()) << "exposure " << i;
+    EXPECT_FALSE(passive->error.has_value()) << passive->error->what();
+  }
+  owner.call([] {});
+  active.call([] {});
+  for (int i = 0; i < kCount; ++i)
+    EXPECT_EQ(destinations[i]->mismatch(100 + static_cast<std::uint64_t>(i)), -1)
+        << "transfer " << i;
+}
+
+// Transport::start() documents a peer it cannot reach as a set-up failure (another method may
+// still work). tcp reports it as on_transfer_failed instead; see the report of this suite.
+// What every transport does agree on: the transfer fails with PeerLost, in bounded time, and
+// the message says where it tried.
+TEST_P(Conformance, AnUnreachablePeerFailsTheTransferWithPeerLost) {
+  Side& active = side("active");
+  Pieces& dst = memory({4096}, 0);
+  std::shared_ptr<void> keep;
+  TransferSpec s;
+  s.remote_id = 1;
+  s.token = random_token();
+  s.access = Access::read;
+  s.segments = {Segment{0x10000, dst.data(), 4096}};
+  s.endpoint = Endpoint{harness().method, harness().dead_address(keep), {}};
+  s.peer_name = "nobody";
+  TransferLog& log = transfer_log();
+  const auto at = Clock::now();
+  Running t = start(active, s, log);
+  auto end = log.wait_end(10s);
+  ASSERT_TRUE(end.has_value()) << "no word on an unreachable peer";
+  EXPECT_LT(Clock::now() - at, 5s);
+  EXPECT_TRUE(end->call == Call::failed || end->call == Call::setup_failed) << call_name(end->call);
+  ASSERT_TRUE(end->error.has_value());
+  EXPECT_EQ(end->error->code(), ErrorCode::PeerLost) << end->error->what();
+  EXPECT_TRUE(contains(end->error->message(), "'nobody'")) << end->error->what();
+  EXPECT_TRUE(contains(end->error->message(), s.endpoint.address)) << end->error->what();
+  EXPECT_TRUE(dst.guards_intact());
+}
+
+// The contract as transport.hpp writes it: a peer that cannot be reached fails the transfer
+// "while being set up, before any byte of the local or remote memory was touched (the method
+// was refused or cannot reach the peer)", so that the caller may try another method.
+//
+// Discrepancy in transport/tcp/tcp_transport.cpp: a refused or failed connect (and a
+// connection closed before the peer's HELLO) is reported through on_transfer_failed, so a
+// connector never falls back from tcp to a lower-ranked method. Changing tcp alone would make
+// Core remember a transient connect failure toward that peer for 5 minutes; see the report.
+// Disabled until the contract or tcp changes.
+TEST_P(Conformance, DISABLED_AnUnreachablePeerIsASetUpFailure) {
+  Side& active = side("active");
+  Pieces& dst = memory({4096}, 0);
+  std::shared_ptr<void> keep;
+  TransferSpec s;
+  s.remote_id = 1;
+  s.token = random_token();
+  s.access = Access::read;
+  s.segments = {Segment{0x10000, dst.data(), 4096}};
+  s.endpoint = Endpoint{harness().method, harness().dead_address(keep), {}};
+  s.peer_name = "nobody";
+  TransferLog& log = transfer_log();
+  Running t = start(active, s, log);
+  auto end = log.wait_end(10s);
+  ASSERT_TRUE(end.has_value());
+  EXPECT_EQ(end->call, Call::setup_failed) << call_name(end->call);
 }
 
 // ---------------------------------------------------------------------------------------
