@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,11 @@
 #include "tests/support/util.hpp"
 
 namespace ferry {
+
+// gtest prints these by name, not as bytes.
+inline void PrintTo(ErrorCode code, std::ostream* os) { *os << to_string(code); }
+inline void PrintTo(OperationStatus status, std::ostream* os) { *os << to_string(status); }
+
 namespace {
 
 using namespace std::chrono_literals;

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -30,6 +31,11 @@
 #include "transport/exposure_table.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 #include "transport/transport.hpp"
+
+namespace ferry {
+// gtest prints these by name, not as bytes.
+inline void PrintTo(ErrorCode code, std::ostream* os) { *os << to_string(code); }
+}  // namespace ferry
 
 namespace ferry::transport {
 namespace {
@@ -182,6 +188,8 @@ const char* call_name(Call c) {
   }
   return "?";
 }
+
+void PrintTo(Call c, std::ostream* os) { *os << call_name(c); }
 
 struct Event {
   Call call = Call::claimed;
