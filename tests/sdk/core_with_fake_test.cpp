@@ -253,6 +253,30 @@ TEST(Selection, AMethodNotAvailableHereIsAbsentAndSaysWhy) {
   EXPECT_EQ(methods_of(without.endpoints()), std::vector<std::string>{"tcp"});
 }
 
+// endpoint_allow holds networks: an endpoint whose address is no IP (the fake's "fake:<n>")
+// is refused once the list is set, whatever the method. Documented for EndpointFilter; a
+// method that is not network-based (cma, say) would be refused the same way.
+TEST(Selection, EndpointAllowRefusesAnEndpointThatIsNoIpAddress) {
+  FakeTransportFactory fake;
+  Connector owner(options("owner", {"fake"}));
+  ConnectorOptions o = options("peer", {"fake"});
+  o.endpoint_allow = {"127.0.0.0/8", "::1/128"};
+  Connector peer(o);
+  std::vector<std::byte> memory(64);
+  std::vector<std::byte> dst(64);
+  auto readable = owner.create_readable(memory);
+  try {
+    auto read = peer.begin_read(readable.metadata(), dst);
+    ADD_FAILURE() << "connected to an endpoint outside endpoint_allow";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::AccessDenied) << e.what();
+    EXPECT_NE(e.message().find("outside ConnectorOptions::endpoint_allow (fake fake:"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(fake.control().setup_attempts(), 0u);
+}
+
 // ---------------------------------------------------------------------------------------
 // A fake that fails at set-up: tcp takes over, and the failure is remembered
 

@@ -12,6 +12,14 @@
 // loop stops every later copy; a transfer's local memory is touched on its own loop only, so
 // cancel() there stops every later copy into or out of it. Each chunk costs a round trip
 // through both loops: a transfer is observably in progress, and can be cancelled mid-way.
+//
+// Where tcp has a connection, the fake has a link between two transports: an exposure is
+// claimed by the link its first request came by (so every transfer of one transport shares
+// the claim, as tcp's pooled connection does), and a transport that closes, or a link dropped
+// by the fault policy, loses every claim and transfer over it (PeerLost). Refusals carry the
+// texts of ExposureTable, as tcp's do. Where tcp and the contract differ, the fake follows the
+// contract: a peer it cannot find is a set-up failure (on_transfer_setup_failed), and a revoke
+// answers the claimant's transfers with the revoke's reason.
 
 #include <uv.h>
 
