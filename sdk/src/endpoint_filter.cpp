@@ -40,7 +40,9 @@ EndpointFilter::EndpointFilter(const std::vector<std::string>& cidrs) {
     Net net;
     auto slash = cidr.find('/');
     std::string ip = cidr.substr(0, slash);
-    if (!parse_ip(ip, net.v6, net.addr) || ip.find('[') != std::string::npos)
+    // A network has no port: "10.0.0.1:80/32" would be parsed as 10.0.0.1, port dropped.
+    if (!parse_ip(ip, net.v6, net.addr) || ip.find('[') != std::string::npos ||
+        (!net.v6 && ip.find(':') != std::string::npos))
       throw Error(ErrorCode::InvalidArgument,
                   "endpoint_allow: '" + cidr + "' is not a CIDR such as 10.0.0.0/8 or ::1/128");
     const int max = net.v6 ? 128 : 32;
@@ -68,7 +70,8 @@ bool EndpointFilter::allows(const std::string& address) const {
     int bits = net.prefix;
     bool match = true;
     for (std::size_t i = 0; bits > 0 && match; ++i, bits -= 8) {
-      const std::uint8_t mask = bits >= 8 ? 0xff : static_cast<std::uint8_t>(0xff << (8 - bits));
+      const std::uint8_t mask =
+          bits >= 8 ? std::uint8_t{0xff} : static_cast<std::uint8_t>(0xff << (8 - bits));
       match = (ip[i] & mask) == (net.addr[i] & mask);
     }
     if (match) return true;

@@ -67,6 +67,16 @@ void PassiveOperation::release(OperationStatus, const Error& reason) {
 }
 
 void PassiveOperation::on_claimed(const transport::Claim& claim) {
+  // One peer per operation: the methods it was not claimed by stop serving it, so that no
+  // other peer can claim it there. (A claim by another method in the very same loop turn is
+  // dropped with its revoked exposure, after at most the request that claimed it.)
+  const Error taken(ErrorCode::AccessDenied,
+                    "the operation is claimed by another peer (" + claim.peer + ")");
+  std::erase_if(exposed_on_, [&](transport::Transport* t) {
+    if (t->capabilities().method == claim.method) return false;
+    t->revoke(id, taken);
+    return true;
+  });
   set_method(claim.method);
   claim_ = claim;
   if (status() == OperationStatus::initialized) set_status(OperationStatus::in_progress);

@@ -494,15 +494,9 @@ TEST(FakePeer, AnExpiredReadableRefusesALatePeer) {
       << read.error()->message();
 }
 
-// A passive operation is exposed on every method of its connector, for the one peer that
-// claims it: once a peer has claimed it by one method, another peer must be refused by the
-// others too.
-//
-// Bug in sdk/src/passive_operation.cpp: on_claimed() leaves the operation exposed on the
-// connector's other methods, whose claims are their own; a second peer claims it there, reads
-// all of it, and completes the readable while its first claimant is still mid-transfer (the
-// claim, its secret and the method are then the second peer's). Disabled until fixed.
-TEST(FakePeer, DISABLED_AReadableClaimedByOneMethodIsRefusedToAPeerOfAnother) {
+// One peer per operation across methods: once claimed by one method, the others stop
+// serving it (a second peer there is refused).
+TEST(FakePeer, AReadableClaimedByOneMethodIsRefusedToAPeerOfAnother) {
   FakeTransportFactory fake(ranked(150));
   FaultPolicy policy;
   policy.stall_after_chunks = 1;  // the fake's claimant stays mid-transfer

@@ -114,11 +114,9 @@ TEST(EndpointFilter, OneBadCidrAmongGoodOnesRefusesTheList) {
   }
 }
 
-// Bug in sdk/src/endpoint_filter.cpp: a CIDR written with a port ("10.0.0.1:80/32") is
-// accepted, the port silently dropped, although a filter holds networks, not ports: whoever
-// wrote it meant something the filter does not do, and should be told. The bracketed IPv6
-// form with a port is refused already.
-TEST(EndpointFilter, DISABLED_ACidrWithAPortIsRefused) {
+// A filter holds networks, not ports: a CIDR written with a port is refused, not read
+// with the port silently dropped.
+TEST(EndpointFilter, ACidrWithAPortIsRefused) {
   expect_refused("10.0.0.1:80/32", "is not a CIDR");
   expect_refused("10.0.0.1:80", "is not a CIDR");
 }

@@ -1287,16 +1287,9 @@ TEST_P(Conformance, AnUnreachablePeerFailsTheTransferWithPeerLost) {
   EXPECT_TRUE(dst.guards_intact());
 }
 
-// The contract as transport.hpp writes it: a peer that cannot be reached fails the transfer
-// "while being set up, before any byte of the local or remote memory was touched (the method
-// was refused or cannot reach the peer)", so that the caller may try another method.
-//
-// Discrepancy in transport/tcp/tcp_transport.cpp: a refused or failed connect (and a
-// connection closed before the peer's HELLO) is reported through on_transfer_failed, so a
-// connector never falls back from tcp to a lower-ranked method. Changing tcp alone would make
-// Core remember a transient connect failure toward that peer for 5 minutes; see the report.
-// Disabled until the contract or tcp changes.
-TEST_P(Conformance, DISABLED_AnUnreachablePeerIsASetUpFailure) {
+// A peer that cannot be reached is a set-up failure (nothing was touched), so a connector
+// falls back to its next method; Core does not remember it (the peer may be back soon).
+TEST_P(Conformance, AnUnreachablePeerIsASetUpFailure) {
   Side& active = side("active");
   Pieces& dst = memory({4096}, 0);
   std::shared_ptr<void> keep;

@@ -29,8 +29,10 @@ std::unique_ptr<Transfer> TcpTransport::start(TransferSpec spec, TransferObserve
   std::string error;
   t->conn = connect_to(addr, t->spec.peer_name, error);
   if (t->conn == nullptr) {
-    finish_transfer(*t, Error(ErrorCode::PeerLost, "cannot connect to peer '" + t->spec.peer_name +
-                                                       "' at " + addr.to_string() + ": " + error));
+    finish_transfer(*t,
+                    Error(ErrorCode::PeerLost, "cannot connect to peer '" + t->spec.peer_name +
+                                                   "' at " + addr.to_string() + ": " + error),
+                    /*setup=*/true);
     return t;
   }
   pump(*t);
@@ -250,7 +252,7 @@ void TcpTransport::chunk_done(TcpTransfer& t, std::uint64_t req, std::uint64_t l
   // A write completes when the answer to its DONE arrives.
 }
 
-void TcpTransport::finish_transfer(TcpTransfer& t, std::optional<Error> error) {
+void TcpTransport::finish_transfer(TcpTransfer& t, std::optional<Error> error, bool setup) {
   if (t.finished) return;
   t.finished = true;
   for (std::uint64_t req : t.reqs) erase_pending(req);
@@ -260,13 +262,15 @@ void TcpTransport::finish_transfer(TcpTransfer& t, std::optional<Error> error) {
     t.conn->drop_sink(t.id);
   }
   std::uint64_t id = t.id;
-  defer_([this, life = std::weak_ptr<int>(life_), id, error] {
+  defer_([this, life = std::weak_ptr<int>(life_), id, error, setup] {
     if (life.expired()) return;
     auto it = transfers_.find(id);
     if (it == transfers_.end() || it->second->notified) return;
     TcpTransfer& tr = *it->second;
     tr.notified = true;
-    if (error)
+    if (error && setup)
+      tr.observer->on_transfer_setup_failed(*error);
+    else if (error)
       tr.observer->on_transfer_failed(*error);
     else
       tr.observer->on_transfer_complete();

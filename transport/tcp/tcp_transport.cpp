@@ -295,7 +295,9 @@ void TcpTransport::on_closed(Connection& conn, const std::string& reason) {
                               "peer " + who + " closed the connection: " + conn.notice());
     for (auto& [id, t] : transfers_) {
       if (t->conn != &conn) continue;
-      finish_transfer(*t, error);
+      // Before the peer's HELLO, nothing of either side's memory was touched: another method
+      // may still work.
+      finish_transfer(*t, error, /*setup=*/!conn.greeted());
       t->conn = nullptr;  // the connection is about to be destroyed
     }
   } else {

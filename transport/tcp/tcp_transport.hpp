@@ -95,7 +95,9 @@ class TcpTransport final : public Transport, private Connection::Handler {
                          std::string& error);
   void pump(TcpTransfer& t);
   void chunk_done(TcpTransfer& t, std::uint64_t req, std::uint64_t len);
-  void finish_transfer(TcpTransfer& t, std::optional<Error> error);
+  /// `setup`: the transfer failed before touching any memory (the observer hears
+  /// on_transfer_setup_failed).
+  void finish_transfer(TcpTransfer& t, std::optional<Error> error, bool setup = false);
   void cancel_transfer(TcpTransfer& t, const Error& reason);
   void forget_transfer(TcpTransfer& t);
   void send_done(Connection& conn, TcpTransfer& t, const Error* error);
