@@ -1181,24 +1181,29 @@ void client_side(Input& in, World& w) {
 
   // The fake server stops: it closes, resets, goes silent, or half-closes. Either way the
   // operation must end within a bound (a closed peer at once, a silent one by peer_timeout).
+  const char* stop = "";
   switch (in.u8() % 4) {
     case 0:
+      stop = "closed its connection";
       conn.fd().reset();
       break;
     case 1:
+      stop = "reset its connection";
       conn.fd().abort();
       break;
     case 2:
+      stop = "went silent";
       break;
     default:
+      stop = "shut down its sending side";
       ::shutdown(conn.fd().get(), SHUT_WR);
       break;
   }
   const bool ended = ends_within(op, kFinalWithin, conn.open() ? &conn : nullptr);
+  const std::string state = describe(op);  // before the close below ends it
   conn.fd().reset();
-  trace(std::string("client side: ") + (side.writing ? "write " : "read ") + describe(op));
-  if (!ended)
-    finding("the operation did not end within 3 s of its peer going quiet: " + describe(op));
+  trace(std::string("client side: ") + (side.writing ? "write " : "read ") + state);
+  if (!ended) finding("the operation is still " + state + " 3 s after the fake server " + stop);
   if (!side.problem.empty()) finding(side.problem);
   if (!conn.bad().empty()) finding("the client's stream: " + conn.bad());
 
