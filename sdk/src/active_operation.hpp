@@ -15,6 +15,16 @@ struct Message;
 
 namespace ferry::detail {
 
+/// An active operation paired by subject, while it asks for the metadata. (At namespace scope:
+/// a nested struct with member initializers cannot sit in a std::optional member of the class
+/// that encloses it.)
+struct AskingState {
+  std::string subject;
+  std::vector<std::uint64_t> requests;  ///< still unanswered, oldest first: any answer counts
+  loop::Timer retry;
+  std::chrono::milliseconds backoff{0};
+};
+
 /// A read or write: acts on a peer's passive operation, described by metadata given or asked
 /// for at a subject.
 class ActiveOperation final : public OperationState, public transport::TransferObserver {
@@ -27,13 +37,8 @@ class ActiveOperation final : public OperationState, public transport::TransferO
   /// begin_read / begin_write do.
   void start(const RdmaMetadata& remote);
 
-  /// Pairing by subject: where to ask, and the pairing's own state (sdk/src/pairing.cpp).
-  struct Asking {
-    std::string subject;
-    std::vector<std::uint64_t> requests;  ///< still unanswered, oldest first: any answer counts
-    loop::Timer retry;
-    std::chrono::milliseconds backoff{0};
-  };
+  /// Pairing by subject: where to ask, and the pairing's own state (sdk/src/subject_pairing).
+  using Asking = AskingState;
   std::optional<Asking> asking;
   /// The peer's metadata once known: however the operation ends, its owner is told.
   std::optional<RdmaMetadata> remote;

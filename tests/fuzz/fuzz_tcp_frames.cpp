@@ -79,7 +79,15 @@ constexpr std::uint8_t kVersion = 1;
 constexpr std::size_t kHeaderSize = 64;
 constexpr std::uint32_t kMaxMessage = 4096;
 
-enum Type : std::uint8_t { HELLO = 1, READ = 2, DATA = 3, WRITE = 4, STATUS = 5, DONE = 6 };
+enum Type : std::uint8_t {
+  HELLO = 1,
+  READ = 2,
+  DATA = 3,
+  WRITE = 4,
+  STATUS = 5,
+  DONE = 6,
+  CLAIMED = 7
+};
 
 using Token = std::array<std::uint8_t, 16>;
 
@@ -365,7 +373,7 @@ class FrameReader {
     if (buf_.size() < kHeaderSize) return std::nullopt;
     Frame f;
     f.h = decode(reinterpret_cast<const std::uint8_t*>(buf_.data()));
-    if (f.h.magic != kMagic || f.h.version != kVersion || f.h.type < HELLO || f.h.type > DONE ||
+    if (f.h.magic != kMagic || f.h.version != kVersion || f.h.type < HELLO || f.h.type > CLAIMED ||
         f.h.msg_len > kMaxMessage) {
       bad = "malformed header: magic " + std::to_string(f.h.magic) + " version " +
             std::to_string(f.h.version) + " type " + std::to_string(f.h.type) + " msg_len " +
@@ -669,8 +677,14 @@ struct ServerSide {
   // readable's id and token within its memory, and holding exactly that memory's bytes.
   void check(const Frame& f) {
     if (!problem.empty()) return;
-    if (f.h.type != HELLO && f.h.type != DATA && f.h.type != STATUS) {
+    if (f.h.type != HELLO && f.h.type != DATA && f.h.type != STATUS && f.h.type != CLAIMED) {
       problem = "the server sent a frame of client type " + std::to_string(f.h.type);
+      return;
+    }
+    // A claim names one of the two live operations (never one the client guessed wrong).
+    if (f.h.type == CLAIMED && f.h.op_id != readable.op_id && f.h.op_id != writable.op_id) {
+      problem = "the server sent CLAIMED for operation " + std::to_string(f.h.op_id) +
+                ", which it does not serve";
       return;
     }
     if (f.h.type != DATA) return;
@@ -1145,7 +1159,7 @@ void client_side(Input& in, World& w) {
     } else if (kind == 8) {
       static constexpr std::uint8_t kClientTypes[] = {READ, WRITE, DONE, 0};
       h.type = kClientTypes[in.u8() % 4];
-      if (h.type == 0) h.type = static_cast<std::uint8_t>(7 + in.u8() % 249);
+      if (h.type == 0) h.type = static_cast<std::uint8_t>(8 + in.u8() % 248);
       h.len = in.u16() % 64;
     } else {
       std::string raw = in.bytes(in.u8());
