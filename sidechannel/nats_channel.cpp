@@ -1,4 +1,5 @@
 #include "sidechannel/nats_channel.hpp"
+#include "loop/ids.hpp"
 #include "loop/uv_handle.hpp"
 #include "sidechannel/nats_adapter.hpp"
 
@@ -20,8 +21,6 @@
 
 namespace ferry::sidechannel {
 
-using loop::close_and_delete;
-
 std::string subject_problem(std::string_view subject) {
   if (subject.empty()) return "is empty";
   if (subject.size() > 1024) return "is longer than 1024 characters";
@@ -41,16 +40,6 @@ std::string subject_problem(std::string_view subject) {
   return {};
 }
 
-namespace {
-
-bool lower_hex(std::string_view digits) {
-  return !digits.empty() && std::all_of(digits.begin(), digits.end(), [](char c) {
-    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
-  });
-}
-
-}  // namespace
-
 bool is_reply_inbox(std::string_view prefix, std::string_view subject) {
   // "<prefix>.inbox.<16 hex>.r<1..16 hex>", exactly as request() writes it.
   constexpr std::string_view kInbox = ".inbox.";
@@ -62,7 +51,8 @@ bool is_reply_inbox(std::string_view prefix, std::string_view subject) {
   if (rest.size() < 16 + 3 || rest.size() > 16 + 2 + 16) return false;
   std::string_view id = rest.substr(0, 16);
   std::string_view n = rest.substr(18);
-  return lower_hex(id) && rest[16] == '.' && rest[17] == 'r' && lower_hex(n) && n[0] != '0';
+  return loop::is_lower_hex(id) && rest[16] == '.' && rest[17] == 'r' && loop::is_lower_hex(n) &&
+         n[0] != '0';
 }
 
 namespace {
@@ -465,22 +455,21 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
     throw Error(ErrorCode::SideChannel, "cannot connect to NATS at " + where + ": " + why);
   }
   outbox_->nc = nc;
-  closer_ = new uv_async_t{};
-  uv_async_init(loop.uv(), closer_, [](uv_async_t* h) {
-    auto* self = static_cast<NatsChannel*>(h->data);
-    uv_timer_start(
-        self->finisher_, [](uv_timer_t* t) { delete static_cast<NatsChannel*>(t->data); }, 0, 0);
-  });
-  closer_->data = this;
-  uv_unref(reinterpret_cast<uv_handle_t*>(closer_));  // only a close in progress keeps the loop
-  finisher_ = new uv_timer_t{};
-  uv_timer_init(loop.uv(), finisher_);
-  finisher_->data = this;
-  uv_unref(reinterpret_cast<uv_handle_t*>(finisher_));
-  confirm_timer_ = new uv_timer_t{};
-  uv_timer_init(loop.uv(), confirm_timer_);
-  confirm_timer_->data = this;
-  uv_unref(reinterpret_cast<uv_handle_t*>(confirm_timer_));
+  closer_ = loop::Async::async(
+      loop.uv(),
+      [](uv_async_t* h) {
+        auto* self = static_cast<NatsChannel*>(h->data);
+        uv_timer_start(
+            self->finisher_.get(), [](uv_timer_t* t) { delete static_cast<NatsChannel*>(t->data); },
+            0, 0);
+      },
+      this);
+  finisher_ = loop::Timer::timer(loop.uv(), this);
+  confirm_timer_ = loop::Timer::timer(loop.uv(), this);
+  // Only a close in progress keeps the loop alive (close() refs the first two).
+  uv_unref(reinterpret_cast<uv_handle_t*>(closer_.get()));
+  uv_unref(reinterpret_cast<uv_handle_t*>(finisher_.get()));
+  uv_unref(reinterpret_cast<uv_handle_t*>(confirm_timer_.get()));
   state_->owner = this;
   state_->max_payload = natsConnection_GetMaxPayload(nc);
   char* ip = nullptr;
@@ -513,9 +502,7 @@ NatsChannel::~NatsChannel() {
   for (auto& [id, sub] : outbox_->subs) natsSubscription_Destroy(sub);
   for (natsSubscription* sub : outbox_->draining) natsSubscription_Destroy(sub);
   natsConnection_Destroy(nc);
-  close_and_delete(closer_);
-  close_and_delete(finisher_);
-  close_and_delete(confirm_timer_);
+  // closer_, finisher_ and confirm_timer_ close themselves.
 }
 
 void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
@@ -526,14 +513,14 @@ void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
   self->state_->requests.clear();
   self->state_->order.clear();
   self->state_->confirms.clear();
-  uv_timer_stop(self->confirm_timer_);
-  uv_ref(reinterpret_cast<uv_handle_t*>(self->closer_));
-  uv_ref(reinterpret_cast<uv_handle_t*>(self->finisher_));
+  uv_timer_stop(self->confirm_timer_.get());
+  uv_ref(reinterpret_cast<uv_handle_t*>(self->closer_.get()));
+  uv_ref(reinterpret_cast<uv_handle_t*>(self->finisher_.get()));
   // The flush runs on the worker while the loop, free, writes what cnats buffered and reads
   // the PONG; then the worker wakes the loop to finish.
   self->outbox_->push([self] {
     natsConnection_FlushTimeout(self->outbox_->nc, 500);
-    uv_async_send(self->closer_);
+    uv_async_send(self->closer_.get());
   });
   self->outbox_->finish_queue();
 }
@@ -720,14 +707,15 @@ void NatsChannel::note_refused_reply(const Message& request) {
 
 void NatsChannel::arm_confirm_timer() {
   if (closing_ || state_->confirms.empty() || !state_->connected) {
-    uv_timer_stop(confirm_timer_);
+    uv_timer_stop(confirm_timer_.get());
     return;
   }
   auto earliest = State::Clock::time_point::max();
   for (const auto& [id, c] : state_->confirms) earliest = std::min(earliest, c.deadline);
   auto wait = std::chrono::ceil<std::chrono::milliseconds>(earliest - State::Clock::now());
   uv_timer_start(
-      confirm_timer_, [](uv_timer_t* t) { static_cast<NatsChannel*>(t->data)->expire_confirms(); },
+      confirm_timer_.get(),
+      [](uv_timer_t* t) { static_cast<NatsChannel*>(t->data)->expire_confirms(); },
       static_cast<std::uint64_t>(std::max<std::int64_t>(wait.count(), 0)), 0);
 }
 
@@ -771,7 +759,7 @@ void NatsChannel::fail_confirms(const std::string& why) {
   std::vector<Registered> failed;
   for (auto& [id, c] : state_->confirms) failed.push_back(std::move(c.done));
   state_->confirms.clear();
-  uv_timer_stop(confirm_timer_);
+  uv_timer_stop(confirm_timer_.get());
   for (auto& done : failed) done(why);
 }
 

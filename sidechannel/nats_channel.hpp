@@ -13,6 +13,7 @@
 #include <ferry/connector.hpp>
 
 #include "loop/event_loop.hpp"
+#include "loop/uv_handle.hpp"
 
 namespace ferry::sidechannel {
 
@@ -151,9 +152,9 @@ class NatsChannel {
   std::uint64_t inbox_sub_ = 0;
   // The two-phase close: the worker's final flush wakes closer_; finisher_ runs a loop turn
   // later, when the loop has written what that flush queued.
-  uv_async_t* closer_ = nullptr;
-  uv_timer_t* finisher_ = nullptr;
-  uv_timer_t* confirm_timer_ = nullptr;  // the earliest confirmation deadline
+  loop::Async closer_;
+  loop::Timer finisher_;
+  loop::Timer confirm_timer_;  // the earliest confirmation deadline
   bool closing_ = false;
   // respond()'s rate-limited note.
   std::chrono::steady_clock::time_point refused_noted_{};

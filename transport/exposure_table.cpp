@@ -66,6 +66,11 @@ ExposureTable::Entry* ExposureTable::find(std::uint64_t id) {
   return it == entries_.end() ? nullptr : &it->second;
 }
 
+const ExposureTable::Entry* ExposureTable::find(std::uint64_t id) const {
+  auto it = entries_.find(id);
+  return it == entries_.end() ? nullptr : &it->second;
+}
+
 ExposureTable::Verdict ExposureTable::check(std::uint64_t id, const Token& token, Access access,
                                             std::uint64_t addr, std::uint64_t len,
                                             std::uint64_t conn) {

@@ -50,6 +50,7 @@ class ExposureTable {
   /// False if unknown.
   bool remove(std::uint64_t id);
   Entry* find(std::uint64_t id);
+  const Entry* find(std::uint64_t id) const;
   std::size_t size() const noexcept { return entries_.size(); }
   template <class F>
   void for_each(F&& fn) {

@@ -48,7 +48,7 @@ std::uint64_t Exposures::written(std::uint64_t id) const {
 }
 
 std::uint64_t Exposures::exposed(std::uint64_t id) const {
-  const Entry* entry = const_cast<ExposureTable&>(table_).find(id);
+  const Entry* entry = table_.find(id);
   if (entry == nullptr) return 0;
   std::uint64_t total = 0;
   for (const Region& r : entry->spans) total += r.size;

@@ -49,6 +49,13 @@ int nibble(char c) noexcept {
 }
 }  // namespace
 
+bool is_lower_hex(std::string_view text) noexcept {
+  if (text.empty()) return false;
+  for (char c : text)
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  return true;
+}
+
 bool parse_hex16(std::string_view text, std::uint64_t& out) noexcept {
   if (text.size() != 16) return false;
   std::uint64_t v = 0;

@@ -20,6 +20,9 @@ std::string hex16(std::uint64_t value);
 /// Parses exactly 16 lowercase or uppercase hex digits; false on anything else.
 bool parse_hex16(std::string_view text, std::uint64_t& out) noexcept;
 
+/// Whether `text` is non-empty and all lowercase hex digits (ids and tokens have one spelling).
+bool is_lower_hex(std::string_view text) noexcept;
+
 /// Lowercase hex of `bytes`, and back; from_hex fails (false) unless `hex` holds exactly
 /// 2 * out.size() hex digits.
 std::string to_hex(std::span<const std::uint8_t> bytes);

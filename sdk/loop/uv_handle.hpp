@@ -2,6 +2,7 @@
 
 #include <uv.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -105,27 +106,23 @@ namespace ferry::loop {
 /// Runs `fn` from a libuv callback: an exception must never unwind through libuv's C frames
 /// (that would terminate the process). It is reported on stderr with `where`, and `on_error`
 /// (when given) gets its text so the caller can fail what the callback was serving.
-template <class F, class G = void (*)(const char*)>
+template <class F, class G = std::nullptr_t>
 void guarded(const char* where, F&& fn, G&& on_error = nullptr) noexcept {
-  const char* what = nullptr;
-  std::string text;
+  std::string what;
   try {
     fn();
     return;
   } catch (const std::exception& e) {
-    text = e.what();
+    what = e.what();
   } catch (...) {
-    text = "unknown exception";
+    what = "unknown exception";
   }
-  what = text.c_str();
-  std::fprintf(stderr, "ferry: %s failed: %s\n", where, what);
-  if constexpr (!std::is_same_v<std::decay_t<G>, void (*)(const char*)>) {
+  std::fprintf(stderr, "ferry: %s failed: %s\n", where, what.c_str());
+  if constexpr (!std::is_same_v<std::decay_t<G>, std::nullptr_t>) {
     try {
-      on_error(what);
+      on_error(what.c_str());
     } catch (...) {
     }
-  } else {
-    if (on_error != nullptr) on_error(what);
   }
 }
 

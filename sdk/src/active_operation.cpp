@@ -16,7 +16,7 @@ void ActiveOperation::start(const RdmaMetadata& m) {
   m.validate();
   remote = m;
   check_remote(m, kind, local);
-  candidates_ = core->choose(m, local);
+  candidates_ = core->choose(m);
   next_candidate_ = 0;
   if (!try_next()) throw Error(ErrorCode::NoCommonMethod, no_method_text());
 }
@@ -65,7 +65,7 @@ void ActiveOperation::setup_failed(const std::string& method, const Error& e) {
 
 void ActiveOperation::on_transfer_setup_failed(const Error& error) {
   // The transport let go of the memory before touching it: fall back to the next method.
-  setup_failed(get_method(), error);
+  setup_failed(method(), error);
   if (transfer_) transfer_.reset();
   registrations_.clear();
   auto keep = shared_from_this();

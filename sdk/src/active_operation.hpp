@@ -52,7 +52,6 @@ class ActiveOperation final : public OperationState, public transport::TransferO
   bool try_next();
   void setup_failed(const std::string& method, const Error& e);
   std::string no_method_text() const;
-  std::string get_method() const { return method(); }
 
   void release(OperationStatus final_status, const Error& reason) override;
   std::string deadline_text(std::chrono::milliseconds timeout) const override;

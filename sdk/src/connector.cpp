@@ -20,13 +20,6 @@ void check_writable(const std::vector<Descriptor>& local, const char* call) {
                                                   " is read-only (made from const memory)");
 }
 
-std::vector<Descriptor> one(std::span<const std::byte> memory) {
-  return {Descriptor::read_only(memory.data(), memory.size())};
-}
-std::vector<Descriptor> one(std::span<std::byte> memory) {
-  return {Descriptor(memory.data(), memory.size())};
-}
-
 // Common front of create_readable / create_writable.
 std::shared_ptr<detail::PassiveOperation> create(detail::Core& core, OperationKind kind,
                                                  std::vector<Descriptor> local,
@@ -101,16 +94,6 @@ ReadableOperation Connector::create_readable(std::vector<Descriptor> local,
 WritableOperation Connector::create_writable(std::vector<Descriptor> local,
                                              OperationOptions options) {
   return WritableOperation(create(*core_, OperationKind::write, std::move(local), options));
-}
-
-ReadableOperation Connector::create_readable_bytes(std::span<const std::byte> memory,
-                                                   OperationOptions options) {
-  return create_readable(one(memory), std::move(options));
-}
-
-WritableOperation Connector::create_writable_bytes(std::span<std::byte> memory,
-                                                   OperationOptions options) {
-  return create_writable(one(memory), std::move(options));
 }
 
 ReadOperation Connector::begin_read(const RdmaMetadata& remote, std::vector<Descriptor> local,

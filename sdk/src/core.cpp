@@ -183,8 +183,7 @@ std::chrono::milliseconds Core::effective_timeout(const OperationOptions& o) con
   return o.timeout.count() > 0 ? o.timeout : options.default_timeout;
 }
 
-std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(
-    const RdmaMetadata& remote, const std::vector<Descriptor>&) {
+std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaMetadata& remote) {
   std::vector<Endpoint> reachable;
   std::string refused;
   for (const Endpoint& e : remote.endpoints) {

@@ -49,8 +49,7 @@ class Core : public std::enable_shared_from_this<Core> {
   /// Loop thread: the transports an active operation toward `remote` may use, best first,
   /// with the peer's endpoint of each. Throws NoCommonMethod, or AccessDenied when the peer's
   /// endpoints lie outside endpoint_allow.
-  std::vector<std::pair<transport::Transport*, Endpoint>> choose(
-      const RdmaMetadata& remote, const std::vector<Descriptor>& local);
+  std::vector<std::pair<transport::Transport*, Endpoint>> choose(const RdmaMetadata& remote);
 
   std::chrono::milliseconds effective_timeout(const OperationOptions& options) const;
   std::uint64_t next_id() noexcept { return next_id_++; }

@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loop/ids.hpp"
+
 namespace ferry {
 
 namespace {
@@ -16,10 +18,7 @@ using json = nlohmann::json;
 }
 
 bool is_lower_hex(std::string_view s, std::size_t digits) {
-  if (s.size() != digits) return false;
-  for (char c : s)
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
-  return true;
+  return s.size() == digits && loop::is_lower_hex(s);
 }
 
 const json& member(const json& object, const std::string& path, const char* key) {

@@ -30,11 +30,7 @@ std::string TcpTransport::expose(const Exposure& exposure, ExposureObserver& obs
 }
 
 void TcpTransport::revoke(std::uint64_t id, const Error& reason) {
-  const std::uint64_t bound = exposures_.revoke(id);
-  if (bound == 0) return;
-  release_served(bound, id, reason);
-  if (Connection* conn = find_conn(bound)) {
-    conn->expect_answers(-1);
+  if (Connection* conn = end_claim(exposures_.revoke(id), id, reason)) {
     // The owner ended the operation (cancelled, deadline, shutdown): its claimant learns why
     // at once, instead of an access refusal for its next request.
     FrameHeader h;
@@ -45,9 +41,10 @@ void TcpTransport::revoke(std::uint64_t id, const Error& reason) {
   }
 }
 
-void TcpTransport::release_served(std::uint64_t conn_id, std::uint64_t id, const Error& reason) {
-  Connection* conn = find_conn(conn_id);
-  if (conn == nullptr) return;
+Connection* TcpTransport::end_claim(std::uint64_t conn_id, std::uint64_t id, const Error& reason) {
+  Connection* conn = conn_id == 0 ? nullptr : find_conn(conn_id);
+  if (conn == nullptr) return nullptr;
+  conn->expect_answers(-1);  // the claim no longer waits for this peer
   // Read responses still queued become error answers that tell the claimant why (one partly
   // sent finishes from a copy); a payload being received is drained, not stored.
   conn->release(id, [&](FrameHeader& h, std::string& message) {
@@ -56,6 +53,7 @@ void TcpTransport::release_served(std::uint64_t conn_id, std::uint64_t id, const
     message = reason.message().substr(0, kMaxMessage);
   });
   conn->drop_sink(id);
+  return conn;
 }
 
 void TcpTransport::reply_status(Connection& conn, std::uint64_t req, ErrorCode code,
@@ -95,10 +93,7 @@ void TcpTransport::finish_exposure(std::uint64_t id, std::optional<Error> peer_e
   // Requests of this peer still queued (a peer that ended with an error may have left some)
   // must not read the memory once the operation is over.
   Error reason = peer_error ? *peer_error : Error(ErrorCode::Cancelled, "the operation ended");
-  if (std::uint64_t bound = exposures_.finish(id, std::move(peer_error)); bound != 0) {
-    release_served(bound, id, reason);
-    if (Connection* conn = find_conn(bound)) conn->expect_answers(-1);
-  }
+  end_claim(exposures_.finish(id, std::move(peer_error)), id, reason);
 }
 
 Connection::Sink TcpTransport::serve_frame(Connection& conn, const FrameHeader& h,

@@ -84,7 +84,10 @@ class TcpTransport final : public Transport, private Connection::Handler {
   Connection::Sink serve_write(Connection& conn, const FrameHeader& h);
   void serve_done(Connection& conn, const FrameHeader& h, const std::string& message);
   void claim(Exposures::Entry& entry, Connection& conn);
-  void release_served(std::uint64_t conn_id, std::uint64_t id, const Error& reason);
+  /// The claim of exposure `id` by connection `conn_id` (0: none) ended: queued answers become
+  /// `reason`, a payload being received is drained, the connection stops waiting for the peer
+  /// on its account. Returns the connection, if it is still there.
+  Connection* end_claim(std::uint64_t conn_id, std::uint64_t id, const Error& reason);
   void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
   void reply_status(Connection& conn, std::uint64_t req, ErrorCode code, const std::string& msg);
   void reply_ok(Connection& conn, std::uint64_t req);

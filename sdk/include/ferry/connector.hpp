@@ -56,12 +56,13 @@ class Connector {
   template <class Bytes>
   requires std::is_convertible_v<Bytes&&, std::span<const std::byte>> ReadableOperation
   create_readable(Bytes&& memory, OperationOptions options = {}) {
-    return create_readable_bytes(std::span<const std::byte>(memory), std::move(options));
+    return create_readable({bytes_descriptor(std::span<const std::byte>(memory))},
+                           std::move(options));
   }
   template <class Bytes>
   requires std::is_convertible_v<Bytes&&, std::span<std::byte>> WritableOperation
   create_writable(Bytes&& memory, OperationOptions options = {}) {
-    return create_writable_bytes(std::span<std::byte>(memory), std::move(options));
+    return create_writable({bytes_descriptor(std::span<std::byte>(memory))}, std::move(options));
   }
 
   /// Reads the peer's readable operation described by `remote` into `local`. The two lists
@@ -119,9 +120,6 @@ class Connector {
   std::vector<Endpoint> endpoints() const;
 
  private:
-  ReadableOperation create_readable_bytes(std::span<const std::byte> memory,
-                                          OperationOptions options);
-  WritableOperation create_writable_bytes(std::span<std::byte> memory, OperationOptions options);
   static Descriptor bytes_descriptor(std::span<std::byte> memory) {
     return Descriptor(memory.data(), memory.size());
   }
