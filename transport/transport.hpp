@@ -131,6 +131,14 @@ class Transport {
   /// answered with `reason`. No effect if unknown.
   virtual void revoke(std::uint64_t id, const Error& reason) = 0;
 
+  /// Why this transport cannot reach the peer endpoint `endpoint` (of its method) from here,
+  /// e.g. a same-host method toward another host; empty when it may. Judged from the
+  /// endpoint alone, before any transfer; a method that passes may still fail at set-up.
+  virtual std::string unreachable(const Endpoint& endpoint) const {
+    (void)endpoint;
+    return {};
+  }
+
   /// Starts an active transfer. Throws Error for a spec it cannot carry out at all
   /// (e.g. an endpoint address it cannot parse); later failures go to the observer.
   virtual std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) = 0;

@@ -1,8 +1,11 @@
 #include "sdk/src/transport_registry.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
+#include "transport/cma/cma_transport.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 
 namespace ferry::detail {
@@ -27,6 +30,32 @@ std::unique_ptr<transport::Transport> make_tcp(const TransportContext& c, std::s
   return std::make_unique<transport::tcp::TcpTransport>(c.loop, c.defer, std::move(tcp));
 }
 
+bool cma_ptracer_any(const ConnectorOptions& o) {
+  if (o.cma.ptracer_any) return true;
+  if (!o.nats.use_environment) return false;
+  const char* v = std::getenv("FERRY_CMA_PTRACER_ANY");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+std::string cma_unavailable(const ConnectorOptions& o) {
+  return transport::cma::CmaTransport::unavailable(cma_ptracer_any(o));
+}
+
+std::unique_ptr<transport::Transport> make_cma(const TransportContext& c, std::string& why) {
+  const ConnectorOptions& o = *c.options;
+  why = cma_unavailable(o);
+  if (!why.empty()) return nullptr;
+  transport::cma::CmaTransport::Options cma;
+  cma.chunk_size = o.cma.chunk_size;
+  cma.parallel = o.cma.parallel;
+  cma.inline_max = o.cma.inline_max;
+  cma.ptracer_any = cma_ptracer_any(o);
+  cma.peer_timeout = o.peer_timeout;
+  cma.local_name = c.identity->name;
+  cma.local_id = std::stoull(c.identity->id, nullptr, 16);
+  return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, std::move(cma));
+}
+
 std::mutex added_mu;
 std::vector<TransportFactory>& added() {
   static std::vector<TransportFactory> list;
@@ -36,9 +65,16 @@ std::vector<TransportFactory>& added() {
 }  // namespace
 
 std::vector<TransportFactory> transport_factories() {
-  std::vector<TransportFactory> out = {{"tcp", make_tcp}};
+  std::vector<TransportFactory> out = {
+      {"tcp", make_tcp, 100, {}, "a TCP route to the peer's listener"},
+      {"cma", make_cma, 200, cma_unavailable,
+       "the peer on this host, in this PID namespace, allowed to read this process"},
+  };
   std::lock_guard lock(added_mu);
-  for (const auto& f : added()) out.push_back(f);
+  for (const auto& f : added()) {
+    std::erase_if(out, [&](const TransportFactory& b) { return b.method == f.method; });
+    out.push_back(f);
+  }
   return out;
 }
 

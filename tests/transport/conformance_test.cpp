@@ -28,6 +28,7 @@
 #include "loop/ids.hpp"
 #include "tests/support/fake_transport.hpp"
 #include "tests/support/patterns.hpp"
+#include "transport/cma/cma_transport.hpp"
 #include "transport/exposure_table.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 #include "transport/transport.hpp"
@@ -59,9 +60,9 @@ struct Params {
 struct Harness {
   std::string method;
   std::function<std::unique_ptr<Transport>(loop::EventLoop& loop, const Params& params)> make;
-  /// An address of this method where no transport answers; `keep` holds what keeps it so
+  /// An endpoint of this method where no transport answers; `keep` holds what keeps it so
   /// for as long as the test needs it.
-  std::function<std::string(std::shared_ptr<void>& keep)> dead_address;
+  std::function<Endpoint(std::shared_ptr<void>& keep)> dead_endpoint;
 };
 
 std::function<void(std::function<void()>)> defer_on(loop::EventLoop& loop) {
@@ -82,7 +83,7 @@ Harness tcp_harness() {
             }
             return std::make_unique<tcp::TcpTransport>(loop.uv(), defer_on(loop), o);
           },
-          [](std::shared_ptr<void>& keep) -> std::string {
+          [](std::shared_ptr<void>& keep) -> Endpoint {
             // A port bound but not listening: connecting is refused, and nobody else can
             // take the port while the socket is open.
             const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -94,7 +95,7 @@ Harness tcp_harness() {
                 ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0)
               throw std::runtime_error("cannot bind a loopback socket");
             keep = std::shared_ptr<void>(nullptr, [fd](void*) { ::close(fd); });
-            return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+            return {"tcp", "127.0.0.1:" + std::to_string(ntohs(a.sin_port)), {}};
           }};
 }
 
@@ -107,13 +108,56 @@ Harness fake_harness() {
             if (p.chunk_size != 0) o.chunk_size = p.chunk_size;
             return std::make_unique<test::FakeTransport>(loop.uv(), defer_on(loop), o);
           },
-          [](std::shared_ptr<void>&) -> std::string { return "fake:999999999"; }};
+          [](std::shared_ptr<void>&) -> Endpoint {
+            return {"fake", "fake:999999999", {}};
+          }};
+}
+
+cma::CmaTransport::Options cma_options(const Params& p) {
+  cma::CmaTransport::Options o;
+  o.local_name = p.name;
+  o.local_id = p.id;
+  o.peer_timeout = 5s;
+  if (p.chunk_size != 0) {
+    o.chunk_size = p.chunk_size;
+    o.parallel = 1;
+    o.inline_max = 0;
+  }
+  return o;
+}
+
+Harness cma_harness() {
+  return {"cma",
+          [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
+            return std::make_unique<cma::CmaTransport>(loop.uv(), defer_on(loop), cma_options(p));
+          },
+          [](std::shared_ptr<void>& keep) -> Endpoint {
+            // A transport of this process, closed: its socket is gone, its process is not.
+            struct Dead {
+              loop::EventLoop loop;
+              std::unique_ptr<cma::CmaTransport> transport;
+              ~Dead() {
+                loop.close([this] { transport.reset(); });
+              }
+            };
+            auto dead = std::make_shared<Dead>();
+            Endpoint e = dead->loop.call([&] {
+              dead->transport = std::make_unique<cma::CmaTransport>(
+                  dead->loop.uv(), defer_on(dead->loop), cma_options({"dead", 9, 0}));
+              Endpoint out = dead->transport->endpoints().at(0);
+              dead->transport->close();
+              return out;
+            });
+            keep = dead;
+            return e;
+          }};
 }
 
 std::vector<Harness> harnesses() {
   return {
       tcp_harness(),
       fake_harness(),
+      cma_harness(),
   };
 }
 
@@ -1271,7 +1315,7 @@ TEST_P(Conformance, AnUnreachablePeerFailsTheTransferWithPeerLost) {
   s.token = random_token();
   s.access = Access::read;
   s.segments = {Segment{0x10000, dst.data(), 4096}};
-  s.endpoint = Endpoint{harness().method, harness().dead_address(keep), {}};
+  s.endpoint = harness().dead_endpoint(keep);
   s.peer_name = "nobody";
   TransferLog& log = transfer_log();
   const auto at = Clock::now();
@@ -1298,7 +1342,7 @@ TEST_P(Conformance, AnUnreachablePeerIsASetUpFailure) {
   s.token = random_token();
   s.access = Access::read;
   s.segments = {Segment{0x10000, dst.data(), 4096}};
-  s.endpoint = Endpoint{harness().method, harness().dead_address(keep), {}};
+  s.endpoint = harness().dead_endpoint(keep);
   s.peer_name = "nobody";
   TransferLog& log = transfer_log();
   Running t = start(active, s, log);

@@ -72,6 +72,7 @@ std::string malformed(const FrameHeader& h) {
     case FrameType::status:
     case FrameType::done:
     case FrameType::claimed:
+    case FrameType::claim:
       break;
     default:
       return "unknown frame type " + std::to_string(static_cast<int>(h.type));

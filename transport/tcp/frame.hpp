@@ -9,9 +9,10 @@
 
 namespace ferry::transport::tcp {
 
-/// ferry's TCP frames (docs/protocol.md). Every frame starts with this fixed 64-byte header,
-/// little-endian; `msg_len` bytes of text follow it, then, for DATA and WRITE, `len` bytes of
-/// payload.
+/// ferry's stream frames (docs/protocol.md): the TCP protocol, and the control connection of
+/// the same-host method (cma) over a Unix socket. Every frame starts with this fixed 64-byte
+/// header, little-endian; `msg_len` bytes of text follow it, then, for DATA, WRITE and CLAIM,
+/// `len` bytes of payload.
 enum class FrameType : std::uint8_t {
   hello = 1,   ///< first frame each way: msg = the sender's name
   read = 2,    ///< client: send `len` bytes at `addr` of operation `op_id`
@@ -20,7 +21,8 @@ enum class FrameType : std::uint8_t {
   status = 5,  ///< server: outcome of request `req_id`; status 0 is success, else an ErrorCode
   done = 6,    ///< client: the active operation ended with `status` (msg: the reason)
   claimed =
-      7,  ///< server: operation `op_id` is now this connection's; `token` is the claim's secret
+      7,      ///< server: operation `op_id` is now this connection's; `token` is the claim's secret
+  claim = 8,  ///< cma client: claims `op_id` for the ranges in its payload (cma only)
 };
 
 inline constexpr std::uint32_t kMagic = 0x59525246;  // "FRRY" on the wire
@@ -53,7 +55,7 @@ std::string malformed(const FrameHeader& header);
 
 /// Whether a frame of this type carries `len` bytes of payload after its message.
 constexpr bool has_payload(FrameType type) noexcept {
-  return type == FrameType::data || type == FrameType::write;
+  return type == FrameType::data || type == FrameType::write || type == FrameType::claim;
 }
 
 }  // namespace ferry::transport::tcp

@@ -1,0 +1,315 @@
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "loop/ids.hpp"
+#include "transport/cma/cma_internal.hpp"
+#include "transport/exposure_table.hpp"
+
+namespace ferry::transport::cma {
+
+namespace {
+
+constexpr std::size_t kMaxAccepted = 1024;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// The endpoint
+
+std::string to_info(const OwnerInfo& info) {
+  nlohmann::json j;
+  j["pid"] = info.scope.pid;
+  j["boot_id"] = info.scope.boot_id;
+  j["pid_ns"] = info.scope.pid_ns;
+  j["probe"] = loop::hex16(info.probe);
+  j["nonce"] = token_to_hex(info.nonce);
+  j["grants"] = {{"fd", info.grants_fd}, {"bytes", info.grants_bytes}};
+  return j.dump();
+}
+
+OwnerInfo parse_info(const std::string& text) {
+  auto bad = [](const std::string& why) {
+    return Error(ErrorCode::InvalidMetadata, "cma endpoint info: " + why, "endpoints");
+  };
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object()) throw bad("not a JSON object");
+  OwnerInfo info;
+  try {
+    info.scope.pid = j.at("pid").get<std::int64_t>();
+    info.scope.boot_id = j.at("boot_id").get<std::string>();
+    info.scope.pid_ns = j.at("pid_ns").get<std::uint64_t>();
+    const std::string probe = j.at("probe").get<std::string>();
+    if (!loop::parse_hex16(probe, info.probe)) throw bad("probe is not 16 hex digits");
+    if (!token_from_hex(j.at("nonce").get<std::string>(), info.nonce))
+      throw bad("nonce is not 32 hex digits");
+    info.grants_fd = j.at("grants").at("fd").get<int>();
+    info.grants_bytes = j.at("grants").at("bytes").get<std::uint64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(e.what());
+  }
+  if (info.scope.pid <= 0 || info.scope.pid > (1 << 22)) throw bad("pid out of range");
+  if (info.scope.boot_id.empty() || info.scope.boot_id.size() > 64) throw bad("bad boot_id");
+  if (info.grants_fd < 0 || info.grants_bytes == 0 || info.grants_bytes > (64u << 20))
+    throw bad("bad grant table");
+  return info;
+}
+
+bool socket_address(const std::string& address, sockaddr_un& out, socklen_t& len) {
+  if (address.size() < 2 || address.front() != '@' || address.size() > sizeof out.sun_path)
+    return false;
+  for (char c : address.substr(1))
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.')
+      return false;
+  out = {};
+  out.sun_family = AF_UNIX;
+  // An abstract name: a leading NUL, then the name, not NUL-terminated.
+  std::memcpy(out.sun_path + 1, address.data() + 1, address.size() - 1);
+  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size());
+  return true;
+}
+
+std::string CmaTransport::unavailable(bool ptracer_any) { return unavailable_reason(ptracer_any); }
+
+CmaTransport::CmaTransport(uv_loop_t* loop, Defer defer, Options options)
+    : loop_(loop),
+      defer_(defer),
+      options_(std::move(options)),
+      grants_(options_.grant_slots),
+      exposures_("cma", std::move(defer)) {
+  caps_.method = "cma";
+  caps_.rank = 200;
+  caps_.memory_kinds = bit(MemoryKind::host);
+  caps_.same_host_only = true;
+  caps_.passive_cpu_free = true;
+  if (options_.chunk_size == 0 || options_.parallel == 0)
+    throw Error(ErrorCode::InvalidArgument, "cma.chunk_size and cma.parallel must be positive");
+  if (auto why = unavailable_reason(options_.ptracer_any); !why.empty())
+    throw Error(ErrorCode::Unsupported, "cma: " + why);
+  if (options_.ptracer_any && yama_ptrace_scope() == 1)
+    if (auto why = allow_any_ptracer(); !why.empty())
+      throw Error(ErrorCode::Unsupported, "cma: " + why);
+
+  probe_ = std::make_unique<Token>(random_token());
+  address_ = "@ferry-cma-" + loop::hex16(loop::random_u64());
+  sockaddr_un addr{};
+  socklen_t len = 0;
+  socket_address(address_, addr, len);
+  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (listen_fd_ < 0) throw Error(ErrorCode::Internal, "cma socket: " + errno_text(errno));
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+      ::listen(listen_fd_, SOMAXCONN) != 0) {
+    const int err = errno;
+    ::close(listen_fd_);
+    throw Error(ErrorCode::Internal, "cma: cannot listen on " + address_ + ": " + errno_text(err));
+  }
+  try {
+    listen_poll_ = loop::Poll::poll(loop_, listen_fd_, this);
+  } catch (...) {
+    ::close(listen_fd_);
+    throw;
+  }
+  uv_poll_start(listen_poll_.get(), UV_READABLE, &CmaTransport::on_listen);
+  keepalive_ = loop::Timer::timer(loop_, this);
+
+  OwnerInfo info;
+  info.scope = this_process();
+  info.probe = reinterpret_cast<std::uint64_t>(probe_->data());
+  info.nonce = *probe_;
+  info.grants_fd = grants_.fd();
+  info.grants_bytes = grants_.bytes();
+  info_ = to_info(info);
+}
+
+CmaTransport::~CmaTransport() { close(); }
+
+std::vector<Endpoint> CmaTransport::endpoints() const {
+  return {Endpoint{caps_.method, address_, info_}};
+}
+
+std::string CmaTransport::unreachable(const Endpoint& endpoint) const {
+  OwnerInfo info;
+  try {
+    info = parse_info(endpoint.info);
+  } catch (const Error& e) {
+    return e.message();
+  }
+  const ProcessScope self = this_process();
+  if (info.scope.boot_id != self.boot_id) return "the peer runs on another host (boot id differs)";
+  if (info.scope.pid_ns != self.pid_ns) return "the peer runs in another PID namespace";
+  return {};
+}
+
+void CmaTransport::close() {
+  if (closed_) return;
+  closed_ = true;
+  life_.reset();
+  keepalive_.reset();
+  if (listen_poll_) {
+    listen_poll_.reset();
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+  }
+  for (auto& [id, t] : transfers_) {
+    t->copy->halt();
+    t->finished = true;
+    t->owner = nullptr;
+  }
+  transfers_.clear();
+  pending_.clear();
+  // Peers may still copy under grants of exposures never revoked; the memory is the owner's
+  // to keep until they are done (revoke() waits for that; here only as long as peer_timeout).
+  for (auto& [id, c] : claimed_)
+    grants_.close(c.grant, ErrorCode::Cancelled,
+                  std::chrono::steady_clock::now() + options_.peer_timeout,
+                  [this, conn = c.conn] { return peer_exited(conn); });
+  claimed_.clear();
+  exposures_.clear();
+  links_.clear();
+  for (auto& [id, conn] : conns_) conn->close_gracefully();
+  conns_.clear();
+  graveyard_.clear();
+  for (auto& [id, a] : accepted_)
+    if (a.pidfd >= 0) ::close(a.pidfd);
+  accepted_.clear();
+}
+
+std::shared_ptr<const Registration> CmaTransport::register_memory(const Region& region) {
+  if (region.kind != MemoryKind::host)
+    throw Error(ErrorCode::Unsupported, "cma moves host memory only");
+  return registrations_.acquire(region);
+}
+
+// ---------------------------------------------------------------------------------------
+// Listener and connections
+
+void CmaTransport::on_listen(uv_poll_t* handle, int status, int) {
+  auto* self = static_cast<CmaTransport*>(handle->data);
+  if (status < 0 || self == nullptr || self->closed_) return;
+  loop::guarded("cma listener", [self] { self->accept_all(); });
+}
+
+void CmaTransport::accept_all() {
+  for (;;) {
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        std::fprintf(stderr, "ferry: cma accept failed: %s\n", errno_text(errno).c_str());
+      return;
+    }
+    if (accepted_.size() >= kMaxAccepted) {
+      ::close(fd);
+      continue;
+    }
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    Accepted a;
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+      a.pid = cred.pid;
+      // Watching the peer's process lets revoke() stop waiting for a peer that died mid-copy.
+      a.pidfd = open_pidfd(cred.pid);
+    }
+    const std::uint64_t id = next_conn_++;
+    conns_[id] = std::make_unique<tcp::Connection>(loop_, handler(), tcp::Connection::Role::server,
+                                                   fd, id, "pid " + std::to_string(a.pid),
+                                                   options_.peer_timeout, false);
+    accepted_[id] = a;
+  }
+}
+
+tcp::Connection* CmaTransport::find_conn(std::uint64_t id) {
+  auto it = conns_.find(id);
+  return it == conns_.end() ? nullptr : it->second.get();
+}
+
+bool CmaTransport::peer_exited(std::uint64_t conn_id) const {
+  auto it = accepted_.find(conn_id);
+  return it != accepted_.end() && process_exited(it->second.pidfd);
+}
+
+void CmaTransport::add_pending(std::uint64_t req, const Pending& p) {
+  pending_[req] = p;
+  if (tcp::Connection* c = find_conn(p.conn)) c->expect_answers(+1);
+}
+
+void CmaTransport::erase_pending(std::uint64_t req) {
+  auto it = pending_.find(req);
+  if (it == pending_.end()) return;
+  if (tcp::Connection* c = find_conn(it->second.conn)) c->expect_answers(-1);
+  pending_.erase(it);
+}
+
+void CmaTransport::bury(tcp::Connection& conn) {
+  if (auto a = accepted_.find(conn.id()); a != accepted_.end()) {
+    if (a->second.pidfd >= 0) ::close(a->second.pidfd);
+    accepted_.erase(a);
+  }
+  claim_bufs_.erase(conn.id());
+  auto it = conns_.find(conn.id());
+  if (it == conns_.end()) return;
+  graveyard_.push_back(std::move(it->second));
+  conns_.erase(it);
+  if (graveyard_.size() == 1) {
+    defer_([this, life = std::weak_ptr<int>(life_)] {
+      if (!life.expired()) graveyard_.clear();
+    });
+  }
+}
+
+tcp::Connection::Sink CmaTransport::on_frame(tcp::Connection& conn, const tcp::FrameHeader& h,
+                                             std::string message) {
+  if (conn.role() == tcp::Connection::Role::server) return serve_frame(conn, h, std::move(message));
+  return client_frame(conn, h, std::move(message));
+}
+
+void CmaTransport::on_payload(tcp::Connection& conn, const tcp::FrameHeader& h, std::uint64_t,
+                              bool intact) {
+  // Only a CLAIM carries a payload toward us: its ranges.
+  if (conn.role() == tcp::Connection::Role::server && intact) serve_claim(conn, h);
+}
+
+void CmaTransport::on_closed(tcp::Connection& conn, const std::string& reason) {
+  const std::string who = conn.describe_peer();
+  if (conn.role() == tcp::Connection::Role::client) {
+    for (auto it = links_.begin(); it != links_.end();) {
+      if (it->second->conn == &conn) {
+        it->second->conn = nullptr;
+        it = links_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    Error error = conn.notice().empty()
+                      ? Error(ErrorCode::PeerLost, "connection to peer " + who + " lost: " + reason)
+                      : Error(code_from_wire(conn.notice_code()),
+                              "peer " + who + " closed the connection: " + conn.notice());
+    for (auto& [id, t] : transfers_) {
+      if (t->link == nullptr || t->link->conn != nullptr || t->finished) continue;
+      // Before the claim was granted, nothing of either side's memory was touched.
+      finish_transfer(*t, error, /*setup=*/!t->claimed);
+    }
+  } else {
+    // Its copies are over (a process closes its sockets last) or bounded by peer_timeout.
+    for (auto it = claimed_.begin(); it != claimed_.end();) {
+      if (it->second.conn != conn.id()) {
+        ++it;
+        continue;
+      }
+      grants_.close(it->second.grant, ErrorCode::PeerLost,
+                    std::chrono::steady_clock::now() + options_.peer_timeout,
+                    [this, id = conn.id()] { return peer_exited(id); });
+      it = claimed_.erase(it);
+    }
+    exposures_.lose_connection(
+        conn.id(), Error(ErrorCode::PeerLost, "peer " + who + " disconnected: " + reason));
+  }
+  std::erase_if(pending_, [&](const auto& kv) { return kv.second.conn == conn.id(); });
+  bury(conn);
+}
+
+}  // namespace ferry::transport::cma
