@@ -59,7 +59,10 @@ bool ActiveOperation::try_next() {
 void ActiveOperation::setup_failed(const std::string& method, const Error& e) {
   // A method refused (not permitted, unsupported) stays refused for a while; a peer that could
   // not be reached (PeerLost, Timeout) may be back for the next operation: only tried next.
-  if (!is_retryable(e.code())) core->selector.failed(remote->owner.id, method, e.message());
+  if (!is_retryable(e.code())) {
+    core->selector.failed(remote->owner.id, method, e.message());
+    only_unreachable_ = false;
+  }
   tried_ += (tried_.empty() ? "" : "; ") + method + ": " + e.message();
 }
 
@@ -71,8 +74,14 @@ void ActiveOperation::on_transfer_setup_failed(const Error& error) {
   auto keep = shared_from_this();
   try {
     if (try_next()) return;
-    finish(OperationStatus::errored,
-           candidates_.size() > 1 ? Error(ErrorCode::NoCommonMethod, no_method_text()) : error);
+    // Every method tried and none worked. A peer that no method could reach (gone, say) is
+    // lost, as it would be with one method; methods refused outright leave none in common.
+    if (candidates_.size() <= 1)
+      finish(OperationStatus::errored, error);
+    else if (only_unreachable_)
+      finish(OperationStatus::errored, Error(error.code(), no_method_text()));
+    else
+      finish(OperationStatus::errored, Error(ErrorCode::NoCommonMethod, no_method_text()));
   } catch (const Error& e) {
     finish(OperationStatus::errored, e);
   }

@@ -60,7 +60,8 @@ class ActiveOperation final : public OperationState, public transport::TransferO
   std::vector<std::shared_ptr<const transport::Registration>> registrations_;
   std::vector<std::pair<transport::Transport*, Endpoint>> candidates_;  ///< best first
   std::size_t next_candidate_ = 0;
-  std::string tried_;  ///< the methods that failed at set-up, and why
+  std::string tried_;             ///< the methods that failed at set-up, and why
+  bool only_unreachable_ = true;  ///< every set-up failure so far was retryable (PeerLost, ...)
 };
 
 }  // namespace ferry::detail

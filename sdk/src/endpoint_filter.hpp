@@ -17,7 +17,8 @@ class EndpointFilter {
 
   bool empty() const noexcept { return nets_.empty(); }
   /// Whether `address` ("1.2.3.4:5", "[::1]:5", or a bare IP) lies in an allowed network.
-  /// An address that is no IP at all is allowed only by an empty filter.
+  /// A local socket address ("@name", cma's) is allowed when the loopback address is.
+  /// Any other address that is no IP at all is allowed only by an empty filter.
   bool allows(const std::string& address) const;
 
  private:

@@ -127,7 +127,7 @@ TEST_F(PairingTest, NoMethodInCommonIsRefused) {
   m.endpoints = {{"verbs", "mlx5_0:1"}, {"carrier-pigeon", "loft 3"}};
   expect_error([&] { (void)peer_.begin_read(m, {Descriptor(b_.data(), 4096)}); },
                ErrorCode::NoCommonMethod,
-               "offers [verbs, carrier-pigeon]; this connector has [tcp]");
+               "offers [verbs, carrier-pigeon]; this connector has [cma, tcp]");
 }
 
 TEST_F(PairingTest, UnparsableTcpAddressIsInvalidMetadata) {
@@ -156,7 +156,7 @@ TEST_F(PairingTest, MetadataDescribesTheOperation) {
 }
 
 TEST(ConnectorOptions, BadOptionsAreRefused) {
-  ConnectorOptions o;
+  ConnectorOptions o = test::tcp_only("wildcard");
   o.tcp.bind_address = "not-an-ip";
   expect_error([&] { Connector c(o); }, ErrorCode::InvalidArgument, "not a numeric IP address");
   o.tcp.bind_address = "0.0.0.0";
@@ -204,7 +204,8 @@ TEST(ConnectorOptions, EndpointsOutsideTheAllowListAreNotContacted) {
   auto src = test::patterned(4096, 5);
   auto dst = test::buffer(4096);
   ConnectorOptions elsewhere = test::named("fenced");
-  elsewhere.endpoint_allow = {"10.0.0.0/8", "::1/128"};
+  // Neither loopback: not the owner's tcp address, nor its cma socket on this host.
+  elsewhere.endpoint_allow = {"10.0.0.0/8", "fd00::/8"};
   Connector fenced(elsewhere);
   auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
   expect_error(
@@ -272,11 +273,11 @@ TEST_F(PairingTest, ByteVectorsPairAndConstMemoryIsNeverWritten) {
 }
 
 TEST(ConnectorOptions, WildcardBindWithAdvertisedAddressWorks) {
-  ConnectorOptions o;
+  ConnectorOptions o = test::tcp_only("wildcard");
   o.tcp.bind_address = "0.0.0.0";
   o.tcp.advertise_address = "127.0.0.1";
   Connector owner(o);
-  Connector peer;
+  Connector peer(test::tcp_only("peer"));
   auto src = test::patterned(512, 5);
   auto dst = test::buffer(512);
   auto readable = owner.create_readable({Descriptor(src.data(), src.size())});

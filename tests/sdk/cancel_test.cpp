@@ -28,6 +28,10 @@ ConnectorOptions slow(std::string name) {
   ConnectorOptions o = test::named(std::move(name));
   o.tcp.chunk_size = 4096;
   o.tcp.window = 4096;
+  // cma between processes of this host: one small copy job at a time, never on the loop.
+  o.cma.chunk_size = 4096;
+  o.cma.parallel = 1;
+  o.cma.inline_max = 0;
   return o;
 }
 

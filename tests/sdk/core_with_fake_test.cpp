@@ -155,8 +155,8 @@ TEST(FakeOnly, AMismatchedPairingIsRefused) {
 
 TEST(Selection, WithTcpAndALowerRankedFakeTcpWins) {
   FakeTransportFactory fake(ranked(50));
-  Connector owner(options("owner", {}));
-  Connector peer(options("peer", {}));
+  Connector owner(options("owner", {"tcp", "fake"}));
+  Connector peer(options("peer", {"tcp", "fake"}));
   EXPECT_EQ(methods_of(owner.endpoints()), (std::vector<std::string>{"tcp", "fake"}));
   Memory src({4096}, 72);
   Memory dst({4096}, 0);
@@ -173,8 +173,8 @@ TEST(Selection, WithTcpAndALowerRankedFakeTcpWins) {
 
 TEST(Selection, AHigherRankedFakeWins) {
   FakeTransportFactory fake(ranked(150));
-  Connector owner(options("owner", {}));
-  Connector peer(options("peer", {}));
+  Connector owner(options("owner", {"tcp", "fake"}));
+  Connector peer(options("peer", {"tcp", "fake"}));
   EXPECT_EQ(methods_of(owner.endpoints()), (std::vector<std::string>{"fake", "tcp"}));
   Memory src({4096}, 73);
   Memory dst({4096}, 0);
@@ -199,7 +199,7 @@ TEST(Selection, TransportsTcpOffersOnlyTcp) {
 
 TEST(Selection, APeerThatLeftTheFakeOutIsReachedByTcp) {
   FakeTransportFactory fake(ranked(150));
-  Connector owner(options("owner", {}));
+  Connector owner(options("owner", {"tcp", "fake"}));
   Connector peer(options("peer", {"tcp"}));
   Memory src({4096}, 74);
   Memory dst({4096}, 0);
@@ -233,7 +233,7 @@ TEST(Selection, AnUnknownTransportNameIsAnInvalidArgument) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::InvalidArgument) << e.what();
     EXPECT_EQ(e.message(),
-              "transports: unknown method 'carrier-pigeon' (this build has tcp, fake)");
+              "transports: unknown method 'carrier-pigeon' (this build has tcp, cma, fake)");
   }
 }
 
@@ -246,11 +246,13 @@ TEST(Selection, AMethodNotAvailableHereIsAbsentAndSaysWhy) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
     EXPECT_EQ(e.message(),
-              "no transfer method is available here (tcp: left out by the transports option; "
-              "fake: switched off by the test)");
+              "no transfer method is available here (tcp: left out by the transports option "
+              "(ConnectorOptions::transports or FERRY_TRANSPORTS); cma: left out by the "
+              "transports option (ConnectorOptions::transports or FERRY_TRANSPORTS); fake: "
+              "switched off by the test)");
   }
   Connector without(options("without", {}));
-  EXPECT_EQ(methods_of(without.endpoints()), std::vector<std::string>{"tcp"});
+  EXPECT_EQ(methods_of(without.endpoints()), (std::vector<std::string>{"cma", "tcp"}));
 }
 
 // endpoint_allow holds networks: an endpoint whose address is no IP (the fake's "fake:<n>")
@@ -286,8 +288,8 @@ void falls_back_to_tcp(FaultPolicy::Setup how) {
   policy.setup = how;
   policy.setup_code = ErrorCode::Unsupported;
   fake.control().set_policy(policy);
-  Connector owner(options("owner", {}));
-  Connector peer(options("peer", {}));
+  Connector owner(options("owner", {"tcp", "fake"}));
+  Connector peer(options("peer", {"tcp", "fake"}));
 
   for (int round = 0; round < 2; ++round) {
     SCOPED_TRACE("operation " + std::to_string(round + 1));
@@ -320,9 +322,9 @@ TEST(Fallback, TheFailureIsRememberedPerPeer) {
   FaultPolicy policy;
   policy.setup = FaultPolicy::Setup::throw_error;
   fake.control().set_policy(policy);
-  Connector first(options("first", {}));
-  Connector second(options("second", {}));
-  Connector peer(options("peer", {}));
+  Connector first(options("first", {"tcp", "fake"}));
+  Connector second(options("second", {"tcp", "fake"}));
+  Connector peer(options("peer", {"tcp", "fake"}));
   std::vector<std::byte> a(64);
   std::vector<std::byte> b(64);
   std::vector<std::byte> dst(64);
@@ -501,7 +503,7 @@ TEST(FakePeer, AReadableClaimedByOneMethodIsRefusedToAPeerOfAnother) {
   FaultPolicy policy;
   policy.stall_after_chunks = 1;  // the fake's claimant stays mid-transfer
   fake.control().set_policy(policy);
-  Connector owner(options("owner", {}));
+  Connector owner(options("owner", {"tcp", "fake"}));
   Connector claimant(options("claimant", {"fake"}));
   Connector intruder(options("intruder", {"tcp"}));
   Memory src({1u << 20}, 95);

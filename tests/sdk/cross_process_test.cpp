@@ -157,7 +157,8 @@ TEST(PeerStopped, ActiveReaderStoppedErrorsOurReadableWithinPeerTimeout) {
 }
 
 TEST(PeerKilled, PassiveOwnerKilledErrorsOurRead) {
-  Connector connector(test::named("parent"));
+  // tcp's pace: a stopped owner stops a tcp read (its loop serves the bytes), not a cma one.
+  Connector connector(test::tcp_only("parent"));
   ChildProcess child(peer_command({"doomed-owner"}));
   child.send_line("readable " + std::to_string(kBig) + " 0");
   std::string meta_line = child.read_line();

@@ -123,3 +123,19 @@ TEST(EndpointFilter, ACidrWithAPortIsRefused) {
 
 }  // namespace
 }  // namespace ferry::detail
+
+namespace ferry::detail {
+namespace {
+
+// cma's endpoints are local sockets of this host ("@name"): a list lets them in exactly when
+// it lets in this host's loopback.
+TEST(EndpointFilter, ALocalSocketIsAllowedWhereLoopbackIs) {
+  EXPECT_TRUE(EndpointFilter(std::vector<std::string>{}).allows("@ferry-cma-0123456789abcdef"));
+  EXPECT_TRUE(EndpointFilter({"127.0.0.0/8"}).allows("@ferry-cma-0123456789abcdef"));
+  EXPECT_TRUE(EndpointFilter({"::1/128"}).allows("@ferry-cma-0123456789abcdef"));
+  EXPECT_FALSE(EndpointFilter({"10.0.0.0/8"}).allows("@ferry-cma-0123456789abcdef"));
+  EXPECT_FALSE(EndpointFilter({"10.0.0.0/8"}).allows("fake:1"));
+}
+
+}  // namespace
+}  // namespace ferry::detail

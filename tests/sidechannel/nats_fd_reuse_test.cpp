@@ -158,6 +158,7 @@ class NatsFdReuse : public ::testing::Test {
  protected:
   void SetUp() override {
     ConnectorOptions o = nats_options("owner", {server_.url()});
+    o.transports = {"tcp"};  // the descriptors watched here are tcp's
     // The reconnect thread's first attempt comes this long after the drop; until then, no
     // other thread of this process creates descriptors.
     o.nats.reconnect_wait = 400ms;
@@ -195,7 +196,7 @@ TEST_F(NatsFdReuse, AConnectionMadeDuringTheOutageIsStillReadAfterTheReconnect) 
   for (int round = 0; round < kRounds; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
     // A fresh peer each round, so that the owner has no pooled connection to it yet.
-    Connector peer(test::named("peer-" + std::to_string(round)));
+    Connector peer(test::tcp_only("peer-" + std::to_string(round)));
     auto src = test::patterned(kSize, 1 + round);
     auto dst = test::buffer(kSize);
     auto first = peer.create_readable({Descriptor(src.data(), kSize)});

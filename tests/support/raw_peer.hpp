@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
+#include <algorithm>
 
 #include <gtest/gtest.h>
 
@@ -55,8 +56,12 @@ inline Target target_of(const RdmaMetadata& m) {
   EXPECT_FALSE(m.endpoints.empty());
   EXPECT_FALSE(m.descriptors.empty());
   if (m.endpoints.empty() || m.descriptors.empty()) return t;
-  EXPECT_EQ(m.endpoints[0].method, "tcp");
-  t.address = m.endpoints[0].address;
+  // A raw peer speaks tcp: the owner's tcp endpoint, whatever else it offers.
+  auto tcp = std::find_if(m.endpoints.begin(), m.endpoints.end(),
+                          [](const Endpoint& e) { return e.method == "tcp"; });
+  EXPECT_NE(tcp, m.endpoints.end());
+  if (tcp == m.endpoints.end()) return t;
+  t.address = tcp->address;
   EXPECT_EQ(m.notification_key.size(), 16u);
   t.op_id = std::stoull(m.notification_key, nullptr, 16);
   EXPECT_TRUE(transport::token_from_hex(m.token, t.token)) << m.token;

@@ -17,6 +17,14 @@ inline ConnectorOptions named(std::string name) {
   return o;
 }
 
+/// The same, restricted to tcp: for tests of the tcp transport itself, or of SDK behaviour
+/// that needs tcp's pace (a transfer slowed down by tiny chunks).
+inline ConnectorOptions tcp_only(std::string name) {
+  ConnectorOptions o = named(std::move(name));
+  o.transports = {"tcp"};
+  return o;
+}
+
 /// Names a size-parameterized test "bytes_<n>".
 inline std::string size_name(const ::testing::TestParamInfo<std::size_t>& param) {
   return "bytes_" + std::to_string(param.param);

@@ -118,6 +118,8 @@ std::shared_ptr<PeerLink> CmaTransport::link_to(const TransferSpec& spec, std::s
   // nonce. This also asks the kernel whether we may copy at all (ptrace rules).
   link->pidfd = open_pidfd(info.scope.pid);
   if (link->pidfd < 0 && errno != ENOSYS) {
+    // In our own PID namespace: the owner is gone, which another method cannot fix either.
+    refused = errno != ESRCH;
     error = "cma: no process " + std::to_string(info.scope.pid) + " for " + who + ": " +
             errno_text(errno);
     return nullptr;
@@ -128,6 +130,7 @@ std::shared_ptr<PeerLink> CmaTransport::link_to(const TransferSpec& spec, std::s
   if (::process_vm_readv(static_cast<pid_t>(info.scope.pid), &local, 1, &remote, 1, 0) !=
       static_cast<ssize_t>(seen.size())) {
     const int err = errno;
+    refused = err != ESRCH;
     error = "cma: process_vm_readv toward " + who + " refused: " + errno_text(err);
     if (err == EPERM)
       error +=
@@ -212,7 +215,7 @@ void CmaTransport::send_claim(CmaTransfer& t) {
 }
 
 void CmaTransport::pump(CmaTransfer& t) {
-  if (t.finished || !t.claimed) return;
+  if (t.finished || !t.claimed || t.ended_by_owner) return;
   if (t.total <= options_.inline_max && t.jobs == 0 && t.seg == 0 && t.seg_off == 0) {
     copy_inline(t);
     return;
@@ -283,9 +286,17 @@ void CmaTransport::job_done(Job& job) {
   if (t.finished || job.skipped) return;
   t.done += job.moved;
   if (job.refused) {
-    const ErrorCode code = t.link->grants->ended_with(t.grant);
-    finish_transfer(t, Error(code, "peer '" + t.spec.peer_name + "' ended the operation (" +
-                                       std::string(to_string(code)) + ")"));
+    // The owner ended the operation. Its notice, which says why, is on its way (revoke()
+    // sends it): wait for it, or for the connection to fail, no longer than the watchdog.
+    if (!t.ended_by_owner && t.link->conn != nullptr) {
+      t.ended_by_owner = true;
+      t.link->conn->expect_answers(+1);
+    }
+    if (t.jobs == 0 && t.link->conn == nullptr) {
+      const ErrorCode code = t.link->grants->ended_with(t.grant);
+      finish_transfer(t, Error(code, "peer '" + t.spec.peer_name + "' ended the operation (" +
+                                         std::string(to_string(code)) + ")"));
+    }
     return;
   }
   if (job.err != 0) {
@@ -293,7 +304,9 @@ void CmaTransport::job_done(Job& job) {
     // still work. Anything else fails the transfer, and the owner hears why.
     const bool setup = (job.err == EPERM || job.err == ESRCH) && !t.copy->touched.load();
     Error error = copy_error(job.err, t.spec, t.link->pid);
-    if (setup) error = Error(ErrorCode::Unsupported, error.message());
+    // Refused: this method will not work toward this peer (remembered). Gone (ESRCH): the
+    // peer is lost, for every method.
+    if (setup && job.err == EPERM) error = Error(ErrorCode::Unsupported, error.message());
     finish_transfer(t, error, setup);
     send_done(t, &error);
     return;
@@ -425,6 +438,7 @@ void CmaTransport::finish_transfer(CmaTransfer& t, std::optional<Error> error, b
   t.finished = true;
   // No copy of this transfer runs after this: the local memory is the caller's again.
   t.copy->halt();
+  if (t.ended_by_owner && t.link && t.link->conn != nullptr) t.link->conn->expect_answers(-1);
   if (setup && t.copy->touched.load()) setup = false;
   erase_pending(t.claim_req);
   erase_pending(t.done_req);
@@ -448,7 +462,9 @@ void CmaTransport::finish_transfer(CmaTransfer& t, std::optional<Error> error, b
 void CmaTransport::cancel_transfer(CmaTransfer& t, const Error& reason) {
   if (!t.finished) {
     finish_transfer(t, reason);
-    if (t.claimed) send_done(t, &reason);
+    // Also while the claim is unanswered: the owner reads DONE after the CLAIM (or alone, if
+    // the CLAIM never left), and ends the operation instead of waiting for this peer.
+    send_done(t, &reason);
   }
   forget_transfer(t);
 }

@@ -122,6 +122,7 @@ class CmaTransfer final : public Transfer {
   std::uint64_t done = 0;
   std::uint64_t total = 0;
   bool done_sent = false;
+  bool ended_by_owner = false;  // a copy was refused: the owner's notice says why
   bool finished = false;
   bool notified = false;
   std::uint64_t claim_req = 0;

@@ -33,7 +33,7 @@ RdmaMetadata fake(OperationKind kind, const std::string& address, const std::str
 }
 
 ConnectorOptions quick(std::string name) {
-  ConnectorOptions o = named(std::move(name));
+  ConnectorOptions o = tcp_only(std::move(name));
   o.peer_timeout = 300ms;
   return o;
 }
@@ -223,7 +223,7 @@ TEST(PeerFaults, WritingToAResetPeerDoesNotKillTheProcess) {
   uv_loop_t loop;
   ASSERT_EQ(uv_loop_init(&loop), 0);
   {
-    ConnectorOptions o = named("client");
+    ConnectorOptions o = tcp_only("client");
     o.loop = &loop;
     Connector client(o);
     std::vector<char> dst(4096);
@@ -250,8 +250,8 @@ TEST(PeerFaults, WritingToAResetPeerDoesNotKillTheProcess) {
 }
 
 TEST(PeerFaults, AChunkLargerThanTheOwnerServesIsRefusedAndTheOwnerIsTold) {
-  Connector owner(named("owner"));  // max_request: 16 MiB
-  ConnectorOptions greedy = named("greedy");
+  Connector owner(tcp_only("owner"));  // max_request: 16 MiB
+  ConnectorOptions greedy = tcp_only("greedy");
   greedy.tcp.chunk_size = 32u << 20;
   greedy.tcp.window = 32u << 20;
   Connector reader(greedy);
@@ -266,8 +266,8 @@ TEST(PeerFaults, AChunkLargerThanTheOwnerServesIsRefusedAndTheOwnerIsTold) {
 }
 
 TEST(PeerFaults, AWriteLargerThanTheOwnerServesIsAProtocolErrorNotALostPeer) {
-  Connector owner(named("owner"));
-  ConnectorOptions greedy = named("greedy");
+  Connector owner(tcp_only("owner"));
+  ConnectorOptions greedy = tcp_only("greedy");
   greedy.tcp.chunk_size = 32u << 20;
   greedy.tcp.window = 32u << 20;
   Connector writer(greedy);
