@@ -86,6 +86,8 @@ std::vector<Endpoint> Connector::endpoints() const { return core_->endpoints; }
 
 bool Connector::has_side_channel() const noexcept { return core_->has_nats; }
 
+std::vector<MethodInfo> Connector::methods() const { return core_->methods; }
+
 ReadableOperation Connector::create_readable(std::vector<Descriptor> local,
                                              OperationOptions options) {
   return ReadableOperation(create(*core_, OperationKind::read, std::move(local), options));

@@ -18,6 +18,8 @@ namespace ferry::detail {
 
 namespace {
 
+constexpr const char* kLeftOut = "left out by the transports option (ConnectorOptions::transports or FERRY_TRANSPORTS)";
+
 std::string host_name() {
   char buf[HOST_NAME_MAX + 1] = {};
   if (gethostname(buf, sizeof buf - 1) != 0) return "unknown";
@@ -125,17 +127,22 @@ void Core::start() {
       for (const TransportFactory& factory : transport_factories()) {
         if (!wanted.empty() &&
             std::find(wanted.begin(), wanted.end(), factory.method) == wanted.end()) {
-          absent.emplace_back(factory.method, "left out by the transports option");
+          absent.emplace_back(factory.method, kLeftOut);
+          methods.push_back({factory.method, factory.rank, false, kLeftOut});
           continue;
         }
         std::string why;
         auto t = factory.make(context, why);
         if (!t) {
           absent.emplace_back(factory.method, why);
+          methods.push_back({factory.method, factory.rank, false, why});
           continue;
         }
+        methods.push_back({factory.method, t->capabilities().rank, true, factory.needs});
         transports.push_back(std::move(t));
       }
+      std::stable_sort(methods.begin(), methods.end(),
+                       [](const MethodInfo& a, const MethodInfo& b) { return a.rank > b.rank; });
       // Best first, so that metadata lists its endpoints in the order a peer should try them.
       std::stable_sort(transports.begin(), transports.end(), [](const auto& a, const auto& b) {
         return a->capabilities().rank > b->capabilities().rank;
@@ -261,3 +268,26 @@ std::shared_ptr<ActiveOperation> Core::begin_by_subject(OperationKind kind,
 }
 
 }  // namespace ferry::detail
+
+namespace ferry {
+
+std::vector<MethodInfo> probe_methods(const ConnectorOptions& options) {
+  const std::vector<std::string> wanted = detail::resolve_transports(options);
+  std::vector<MethodInfo> out;
+  for (const detail::TransportFactory& f : detail::transport_factories()) {
+    MethodInfo info{f.method, f.rank, false, {}};
+    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.method) == wanted.end()) {
+      info.detail = detail::kLeftOut;
+    } else {
+      info.detail = f.unavailable ? f.unavailable(options) : std::string();
+      info.available = info.detail.empty();
+      if (info.available) info.detail = f.needs;
+    }
+    out.push_back(std::move(info));
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const MethodInfo& a, const MethodInfo& b) { return a.rank > b.rank; });
+  return out;
+}
+
+}  // namespace ferry

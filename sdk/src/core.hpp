@@ -67,6 +67,9 @@ class Core : public std::enable_shared_from_this<Core> {
   std::vector<std::unique_ptr<transport::Transport>> transports;
   /// Methods the registry knows that are not running here, with the reason.
   std::vector<std::pair<std::string, std::string>> absent;
+  /// Every method of the registry, best first: served here or not, and why (fixed after
+  /// start(); readable from any thread).
+  std::vector<MethodInfo> methods;
   transport::MethodSelector selector;
   EndpointFilter allow;
   std::unordered_map<std::uint64_t, std::weak_ptr<OperationState>> live;

@@ -1,6 +1,8 @@
 #include "sdk/src/transport_registry.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "transport/tcp/tcp_transport.hpp"
@@ -36,9 +38,14 @@ std::vector<TransportFactory>& added() {
 }  // namespace
 
 std::vector<TransportFactory> transport_factories() {
-  std::vector<TransportFactory> out = {{"tcp", make_tcp}};
+  std::vector<TransportFactory> out = {
+      {"tcp", make_tcp, 100, {}, "a TCP route to the peer's listener"},
+  };
   std::lock_guard lock(added_mu);
-  for (const auto& f : added()) out.push_back(f);
+  for (const auto& f : added()) {
+    std::erase_if(out, [&](const TransportFactory& b) { return b.method == f.method; });
+    out.push_back(f);
+  }
   return out;
 }
 

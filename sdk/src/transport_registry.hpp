@@ -33,6 +33,12 @@ struct TransportFactory {
   std::function<std::unique_ptr<transport::Transport>(const TransportContext& context,
                                                       std::string& why)>
       make;
+  int rank = 0;  ///< the rank its transport reports (for probe_methods)
+  /// Why this host cannot offer the method under `options`, without starting anything
+  /// (empty: it can). Null: it always can.
+  std::function<std::string(const ConnectorOptions& options)> unavailable{};
+  /// What the method needs of a peer, shown when it is available.
+  std::string needs{};
 };
 
 /// The methods this library has, then those added by add_transport_factory, in that order.
@@ -41,7 +47,8 @@ struct TransportFactory {
 std::vector<TransportFactory> transport_factories();
 
 /// Adds a method for connectors created from now on, in this process (tests add a fake
-/// transport this way). Replaces a factory of the same method added before. Any thread.
+/// transport this way). Replaces the factory of the same method, built in or added before
+/// (tests wrap a real transport in a fault-injecting one this way). Any thread.
 void add_transport_factory(TransportFactory factory);
 /// Removes a method added by add_transport_factory. Any thread.
 void remove_transport_factory(const std::string& method);

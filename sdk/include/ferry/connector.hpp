@@ -28,6 +28,23 @@ struct Subject {
   std::string name;
 };
 
+/// A transfer method of this build, and whether a connector here offers it.
+struct MethodInfo {
+  std::string method;  ///< "tcp", "cma"
+  /// Preference: between two peers, the highest-ranked method both offer (and that fits) is
+  /// used (cma 200 > tcp 100).
+  int rank = 0;
+  bool available = false;
+  /// Why it is not offered (no permission, left out by the transports option, ...), or what
+  /// it needs of a peer when it is.
+  std::string detail;
+};
+
+/// The methods this build knows, best first, and whether a connector made with `options`
+/// would offer each here, and why not. Starts nothing; reads /proc and probes system calls.
+/// Throws Error(InvalidArgument) for an unknown name in options.transports. Any thread.
+std::vector<MethodInfo> probe_methods(const ConnectorOptions& options = {});
+
 /// One per worker: owns the event loop (or joins the caller's), the transports and the pool
 /// of peer connections, and creates every operation.
 ///
@@ -118,6 +135,9 @@ class Connector {
   const PeerIdentity& identity() const noexcept;
   /// The endpoints put into metadata, one per method served. Any thread.
   std::vector<Endpoint> endpoints() const;
+  /// The methods of this build, best first: those this connector serves (available), and
+  /// why each other one is not. Any thread.
+  std::vector<MethodInfo> methods() const;
 
  private:
   static Descriptor bytes_descriptor(std::span<std::byte> memory) {

@@ -39,6 +39,23 @@ struct TcpOptions {
   std::chrono::milliseconds unclaimed_timeout{10000};
 };
 
+/// The same-host transport's settings (cma: process_vm_readv / process_vm_writev).
+struct CmaOptions {
+  /// Bytes one copy job moves under one grant from the owner; also the most an owner's
+  /// cancel() waits for (one job's copy). Jobs run on libuv's thread pool.
+  std::size_t chunk_size = 4u << 20;
+  /// Copy jobs an active operation keeps in flight at once (each on a thread-pool thread;
+  /// libuv's pool has UV_THREADPOOL_SIZE threads, 4 by default).
+  unsigned parallel = 4;
+  /// Transfers up to this size are copied on the loop thread at once, without the pool.
+  std::size_t inline_max = 64u << 10;
+  /// Where Yama's ptrace_scope is 1 (Ubuntu's default), only a process's ancestors may read
+  /// it, so peers cannot use cma toward this process and it is not offered. Set this to let
+  /// any process of the same user in (prctl PR_SET_PTRACER_ANY, for the whole process), and
+  /// offer cma. FERRY_CMA_PTRACER_ANY=1 sets it too (when use_environment is set in `nats`).
+  bool ptracer_any = false;
+};
+
 /// What happened to the NATS side channel's connection.
 enum class SideChannelEvent { disconnected, reconnected, closed, error };
 
@@ -88,7 +105,7 @@ struct ConnectorOptions {
   /// How long a silent peer connection may stay unanswered before its operations are errored
   /// with PeerLost; a peer whose process dies is noticed at once by its closed socket.
   std::chrono::milliseconds peer_timeout{2000};
-  /// The methods this connector may use, by name ("tcp", ...), as offered and as chosen;
+  /// The methods this connector may use, by name ("tcp", "cma"), as offered and as chosen;
   /// empty: every method built and available here. FERRY_TRANSPORTS (comma-separated) when
   /// empty and use_environment is set in `nats`.
   std::vector<std::string> transports;
@@ -98,6 +115,7 @@ struct ConnectorOptions {
   /// (see docs/design.md, "Trust").
   std::vector<std::string> endpoint_allow;
   TcpOptions tcp;
+  CmaOptions cma;
   NatsOptions nats;
 };
 
