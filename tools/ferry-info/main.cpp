@@ -1,0 +1,691 @@
+// ferry-info: what this host offers ferry, so that "which method will I get, and why?" has an
+// answer. It gathers the facts into one JSON document and prints it as text, or as it is with
+// --json:
+//
+//   methods    every method of this build, best first, offered here or not and why
+//              (ferry::probe_methods), the methods and memory kinds not built into this version
+//   rdma       the RDMA devices and ports libibverbs sees
+//   nats       whether the NATS server(s) of --nats or FERRY_NATS_URL answer, and what they say
+//   versions   ferry, libuv, cnats, the kernel
+//   host       the same-host facts cma relies on: boot id, PID namespace, Yama's ptrace_scope
+//
+// Exit status: 0; 2 for bad usage; 1 with --strict when a configured NATS server is unreachable.
+#include <arpa/inet.h>
+#include <sys/utsname.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nats/nats.h>
+#include <uv.h>
+#include <ferry/ferry.hpp>
+#include <nlohmann/json.hpp>
+
+#ifdef FERRY_INFO_WITH_VERBS
+#include <endian.h>
+#include <infiniband/verbs.h>
+#endif
+
+namespace {
+
+using json = nlohmann::ordered_json;  // keys in the order the text shows them
+
+constexpr const char* kNotBuilt = "not built into this version of ferry";
+
+constexpr const char* kSynopsis =
+    "usage: ferry-info [--json] [--nats URL[,URL...]] [--timeout-ms N]\n"
+    "                  [--transports METHOD[,METHOD...]] [--strict] [--help]\n";
+
+constexpr const char* kHelp =
+    "\n"
+    "Prints what this host offers ferry: its transfer methods, best first, and why each is\n"
+    "offered or not; RDMA devices and ports; whether the NATS server answers; versions; and\n"
+    "the same-host facts the cma method relies on.\n"
+    "\n"
+    "  --json              one JSON document with the same facts\n"
+    "  --nats URL[,URL]    the NATS server(s) to try (default: FERRY_NATS_URL)\n"
+    "  --timeout-ms N      how long to wait for NATS (default 2000)\n"
+    "  --transports LIST   restrict the methods as ConnectorOptions::transports would\n"
+    "                      (default: FERRY_TRANSPORTS)\n"
+    "  --strict            exit 1 when a configured NATS server cannot be reached\n"
+    "\n"
+    "Exit status: 0; 1 with --strict and NATS unreachable; 2 for bad usage.\n";
+
+/// Bad usage: reported with the usage text, exit status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Args {
+  bool json = false;
+  bool strict = false;
+  bool help = false;
+  std::optional<std::string> nats;        ///< --nats, else FERRY_NATS_URL
+  std::optional<std::string> transports;  ///< --transports, else FERRY_TRANSPORTS
+  std::chrono::milliseconds timeout{2000};
+};
+
+std::vector<std::string> split_list(std::string_view list) {
+  std::vector<std::string> out;
+  while (!list.empty()) {
+    std::size_t comma = list.find(',');
+    std::string_view item = list.substr(0, comma);
+    std::size_t first = item.find_first_not_of(" \t");
+    if (first != std::string_view::npos)
+      out.emplace_back(item.substr(first, item.find_last_not_of(" \t") - first + 1));
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 1);
+  }
+  return out;
+}
+
+std::string join(const std::vector<std::string>& items, const char* separator = ", ") {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : separator) + item;
+  return out;
+}
+
+/// The environment variable `name`, or nothing when it is unset or empty (as ferry reads it).
+std::optional<std::string> env(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+std::chrono::milliseconds parse_timeout(std::string_view text) {
+  long long ms = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), ms);
+  if (ec != std::errc() || end != text.data() + text.size() || ms <= 0 || ms > 600000)
+    throw UsageError("--timeout-ms wants milliseconds from 1 to 600000, not '" + std::string(text) +
+                     "'");
+  return std::chrono::milliseconds(ms);
+}
+
+Args parse_args(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::optional<std::string> inline_value;
+    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = arg.substr(eq + 1);
+      arg.erase(eq);
+    }
+    auto value = [&]() -> std::string {
+      if (inline_value) return *inline_value;
+      if (i + 1 >= argc) throw UsageError(arg + " wants a value");
+      return argv[++i];
+    };
+    auto flag = [&]() {
+      if (inline_value) throw UsageError(arg + " takes no value");
+      return true;
+    };
+    if (arg == "--json") {
+      args.json = flag();
+    } else if (arg == "--strict") {
+      args.strict = flag();
+    } else if (arg == "--help" || arg == "-h") {
+      args.help = flag();
+    } else if (arg == "--nats") {
+      args.nats = value();
+      if (split_list(*args.nats).empty()) throw UsageError("--nats wants at least one URL");
+    } else if (arg == "--transports") {
+      args.transports = value();
+    } else if (arg == "--timeout-ms") {
+      args.timeout = parse_timeout(value());
+    } else {
+      throw UsageError("unknown argument '" + arg + "'");
+    }
+  }
+  return args;
+}
+
+// ---- methods ---------------------------------------------------------------------------------
+
+/// Methods ferry will have that this build may lack, with the rank they will have.
+struct LaterMethod {
+  const char* method;
+  int rank;
+};
+constexpr LaterMethod kLaterMethods[] = {{"verbs", 300}, {"cma", 200}};
+
+/// Where the transports restriction comes from: --transports, FERRY_TRANSPORTS, or nowhere.
+json restriction(const Args& args) {
+  if (args.transports && !split_list(*args.transports).empty())
+    return {{"source", "--transports"}, {"methods", split_list(*args.transports)}};
+  if (auto from_env = env("FERRY_TRANSPORTS"); from_env && !split_list(*from_env).empty())
+    return {{"source", "FERRY_TRANSPORTS"}, {"methods", split_list(*from_env)}};
+  return {{"source", nullptr}, {"methods", json::array()}};
+}
+
+std::string method_status(const ferry::MethodInfo& info, const json& restricted) {
+  if (info.available) return "available";
+  auto wanted = restricted["methods"].get<std::vector<std::string>>();
+  if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), info.method) == wanted.end())
+    return "left out";
+  return "unavailable";
+}
+
+/// probe_methods under the restriction. A bad --transports is bad usage; a bad FERRY_TRANSPORTS
+/// is a fact to show (a connector here would refuse to start), so the methods are probed
+/// without it.
+std::vector<ferry::MethodInfo> probe(const Args& args, json& restricted) {
+  ferry::ConnectorOptions options;
+  if (args.transports) options.transports = split_list(*args.transports);
+  try {
+    return ferry::probe_methods(options);
+  } catch (const ferry::Error& e) {
+    if (restricted["source"] == "--transports") throw UsageError(e.what());
+    restricted["error"] = std::string(e.what()) + "; a connector here refuses to start";
+    restricted["ignored"] = restricted["methods"];
+    restricted["methods"] = json::array();
+    options.nats.use_environment = false;
+    return ferry::probe_methods(options);
+  }
+}
+
+json method_list(const Args& args, json& restricted) {
+  json methods = json::array();
+  for (const ferry::MethodInfo& info : probe(args, restricted))
+    methods.push_back({{"method", info.method},
+                       {"rank", info.rank},
+                       {"built", true},
+                       {"available", info.available},
+                       {"status", method_status(info, restricted)},
+                       {"detail", info.detail}});
+  for (const LaterMethod& later : kLaterMethods) {
+    auto built = [&](const json& m) { return m["method"] == later.method; };
+    if (std::none_of(methods.begin(), methods.end(), built))
+      methods.push_back({{"method", later.method},
+                         {"rank", later.rank},
+                         {"built", false},
+                         {"available", false},
+                         {"status", "not built"},
+                         {"detail", kNotBuilt}});
+  }
+  std::stable_sort(methods.begin(), methods.end(),
+                   [](const json& a, const json& b) { return a["rank"] > b["rank"]; });
+  return methods;
+}
+
+std::string selection_rule(const json& restricted) {
+  std::string rule =
+      "Between two ferry processes the highest-ranked method both offer (and that fits: cma "
+      "only between processes of one host and PID namespace) is used. FERRY_TRANSPORTS=tcp,cma "
+      "or ConnectorOptions::transports restricts the set; ";
+  if (restricted["source"].is_null()) return rule + "here nothing restricts it.";
+  if (restricted.contains("error"))
+    return rule + "here FERRY_TRANSPORTS is wrong (below); shown without it.";
+  return rule + "here " + restricted["source"].get<std::string>() + " restricts it to " +
+         join(restricted["methods"].get<std::vector<std::string>>()) + ".";
+}
+
+json methods_facts(const Args& args) {
+  json restricted = restriction(args);
+  json methods = method_list(args, restricted);
+  std::vector<std::string> offered;
+  for (const json& m : methods)
+    if (m["available"].get<bool>()) offered.push_back(m["method"].get<std::string>());
+  json memory = json::array({
+      {{"kind", "host"}, {"supported", true}, {"detail", "moved by every method"}},
+      {{"kind", "cuda"}, {"supported", false}, {"detail", kNotBuilt}},
+  });
+  return {{"methods", methods},
+          {"offered", offered},
+          {"transports", restricted},
+          {"rule", selection_rule(restricted)},
+          {"memory", std::move(memory)}};
+}
+
+// ---- RDMA ------------------------------------------------------------------------------------
+
+#ifdef FERRY_INFO_WITH_VERBS
+
+std::string link_layer_name(std::uint8_t link_layer) {
+  switch (link_layer) {
+    case IBV_LINK_LAYER_INFINIBAND:
+      return "InfiniBand";
+    case IBV_LINK_LAYER_ETHERNET:
+      return "Ethernet";
+    default:
+      return "unspecified";
+  }
+}
+
+int mtu_bytes(ibv_mtu mtu) {
+  int code = static_cast<int>(mtu);  // IBV_MTU_256 is 1, IBV_MTU_4096 is 5
+  return code >= 1 && code <= 5 ? 128 << code : 0;
+}
+
+std::string gid_text(const ibv_gid& gid) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (inet_ntop(AF_INET6, gid.raw, text, sizeof text) == nullptr) return "";
+  return text;
+}
+
+std::string guid_text(__be64 guid) {
+  std::uint64_t host = be64toh(guid);
+  char text[20];
+  std::snprintf(text, sizeof text, "%04x:%04x:%04x:%04x", static_cast<unsigned>(host >> 48),
+                static_cast<unsigned>((host >> 32) & 0xffff),
+                static_cast<unsigned>((host >> 16) & 0xffff), static_cast<unsigned>(host & 0xffff));
+  return text;
+}
+
+json port_facts(ibv_context* context, std::uint8_t port) {
+  ibv_port_attr attr{};
+  if (int rc = ibv_query_port(context, port, &attr); rc != 0)
+    return {{"port", port}, {"error", std::string("ibv_query_port: ") + std::strerror(rc)}};
+  json facts = {{"port", port},
+                {"state", ibv_port_state_str(attr.state)},
+                {"link_layer", link_layer_name(attr.link_layer)},
+                {"active_mtu", mtu_bytes(attr.active_mtu)},
+                {"lid", attr.lid}};
+  ibv_gid gid{};
+  if (ibv_query_gid(context, port, 0, &gid) == 0) facts["gid0"] = gid_text(gid);
+  return facts;
+}
+
+json device_facts(ibv_device* device) {
+  json facts = {{"name", ibv_get_device_name(device)},
+                {"node_guid", guid_text(ibv_get_device_guid(device))}};
+  std::unique_ptr<ibv_context, int (*)(ibv_context*)> context(ibv_open_device(device),
+                                                              ibv_close_device);
+  if (!context) {
+    facts["error"] = std::string("ibv_open_device: ") + std::strerror(errno);
+    return facts;
+  }
+  ibv_device_attr attr{};
+  if (int rc = ibv_query_device(context.get(), &attr); rc != 0) {
+    facts["error"] = std::string("ibv_query_device: ") + std::strerror(rc);
+    return facts;
+  }
+  facts["firmware"] = attr.fw_ver;
+  facts["ports"] = json::array();
+  for (int port = 1; port <= attr.phys_port_cnt; ++port)
+    facts["ports"].push_back(port_facts(context.get(), static_cast<std::uint8_t>(port)));
+  return facts;
+}
+
+json rdma_facts() {
+  int count = 0;
+  std::unique_ptr<ibv_device*, void (*)(ibv_device**)> list(ibv_get_device_list(&count),
+                                                            ibv_free_device_list);
+  // rdma-core's answer when the kernel has no RDMA support for user space at all.
+  if (!list && errno == ENOSYS)
+    return {{"usable", true},
+            {"devices", json::array()},
+            {"detail", "libibverbs finds no RDMA support in the kernel (ENOSYS)"}};
+  if (!list)
+    return {{"usable", false},
+            {"error", std::string("libibverbs cannot list devices: ") + std::strerror(errno)},
+            {"devices", json::array()}};
+  json devices = json::array();
+  for (int i = 0; i < count; ++i) devices.push_back(device_facts(list.get()[i]));
+  return {{"usable", true}, {"devices", std::move(devices)}};
+}
+
+#else
+
+json rdma_facts() {
+  return {{"usable", false},
+          {"error", "this ferry-info was built without libibverbs"},
+          {"devices", json::array()}};
+}
+
+#endif
+
+// ---- NATS ------------------------------------------------------------------------------------
+
+/// Throws std::runtime_error naming `what` when a cnats call failed.
+void check(natsStatus status, const char* what) {
+  if (status != NATS_OK)
+    throw std::runtime_error(std::string(what) + ": " + natsStatus_GetText(status));
+}
+
+/// The credentials ferry's side channel takes from the environment (docs/sidechannel.md).
+void apply_credentials(natsOptions* options) {
+  auto user = env("FERRY_NATS_USER"), password = env("FERRY_NATS_PASSWORD");
+  if (user || password)
+    check(
+        natsOptions_SetUserInfo(options, user.value_or("").c_str(), password.value_or("").c_str()),
+        "FERRY_NATS_USER/PASSWORD");
+  if (auto token = env("FERRY_NATS_TOKEN"))
+    check(natsOptions_SetToken(options, token->c_str()), "FERRY_NATS_TOKEN");
+  if (auto creds = env("FERRY_NATS_CREDS"))
+    check(natsOptions_SetUserCredentialsFromFiles(options, creds->c_str(), nullptr),
+          "FERRY_NATS_CREDS");
+  auto nkey = env("FERRY_NATS_NKEY"), seed = env("FERRY_NATS_NKEY_SEED_FILE");
+  if (nkey || seed)
+    check(
+        natsOptions_SetNKeyFromSeed(options, nkey.value_or("").c_str(), seed.value_or("").c_str()),
+        "FERRY_NATS_NKEY");
+  auto ca = env("FERRY_NATS_TLS_CA"), cert = env("FERRY_NATS_TLS_CERT"),
+       key = env("FERRY_NATS_TLS_KEY");
+  if (ca || cert || key) check(natsOptions_SetSecure(options, true), "TLS");
+  if (ca) check(natsOptions_LoadCATrustedCertificates(options, ca->c_str()), "FERRY_NATS_TLS_CA");
+  if (cert || key)
+    check(natsOptions_LoadCertificatesChain(options, cert.value_or("").c_str(),
+                                            key.value_or("").c_str()),
+          "FERRY_NATS_TLS_CERT/KEY");
+}
+
+using NatsOptionsPtr = std::unique_ptr<natsOptions, void (*)(natsOptions*)>;
+using NatsConnectionPtr = std::unique_ptr<natsConnection, void (*)(natsConnection*)>;
+
+/// One try over `servers`, in order, without reconnecting.
+NatsOptionsPtr connect_options(const std::vector<std::string>& servers,
+                               std::chrono::milliseconds timeout) {
+  natsOptions* raw = nullptr;
+  check(natsOptions_Create(&raw), "natsOptions_Create");
+  NatsOptionsPtr options(raw, natsOptions_Destroy);
+  std::vector<const char*> urls;
+  for (const auto& url : servers) urls.push_back(url.c_str());
+  check(natsOptions_SetServers(options.get(), urls.data(), static_cast<int>(urls.size())),
+        "servers");
+  check(natsOptions_SetNoRandomize(options.get(), true), "servers");
+  check(natsOptions_SetTimeout(options.get(), timeout.count()), "timeout");
+  check(natsOptions_SetAllowReconnect(options.get(), false), "reconnect");
+  check(natsOptions_SetName(options.get(), "ferry-info"), "name");
+  apply_credentials(options.get());
+  return options;
+}
+
+/// The status's text, with cnats' own account of the last failure on this thread when it
+/// says more ("Timeout").
+std::string failure_text(natsStatus status) {
+  std::string why = natsStatus_GetText(status);
+  const char* last = nats_GetLastError(nullptr);
+  std::string detail = last != nullptr ? last : "";
+  // cnats puts the source location first: "(conn.c:2088): No server available for connection".
+  if (auto end = detail.find("): "); detail.starts_with("(") && end != std::string::npos)
+    detail.erase(0, end + 3);
+  if (!detail.empty() && detail != why) why += " (" + detail + ")";
+  return why;
+}
+
+json connection_facts(natsConnection* connection, std::chrono::milliseconds timeout) {
+  json facts = {{"reachable", true}};
+  char text[512];
+  if (natsConnection_GetConnectedUrl(connection, text, sizeof text) == NATS_OK)
+    facts["connected_url"] = text;
+  if (natsConnection_GetConnectedServerId(connection, text, sizeof text) == NATS_OK)
+    facts["server_id"] = text;
+  facts["max_payload"] = natsConnection_GetMaxPayload(connection);
+  // natsConnection_GetRTT flushes with cnats' own 10 s limit; a timed flush (one PING/PONG)
+  // keeps --timeout-ms the bound.
+  auto start = std::chrono::steady_clock::now();
+  if (natsConnection_FlushTimeout(connection, timeout.count()) == NATS_OK)
+    facts["rtt_us"] = std::chrono::duration_cast<std::chrono::microseconds>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+  char* ip = nullptr;
+  int port = 0;
+  if (natsConnection_GetLocalIPAndPort(connection, &ip, &port) == NATS_OK && ip != nullptr) {
+    facts["local_ip"] = ip;
+    std::free(ip);  // allocated by cnats
+  }
+  return facts;
+}
+
+json reach(const std::vector<std::string>& servers, std::chrono::milliseconds timeout) {
+  try {
+    NatsOptionsPtr options = connect_options(servers, timeout);
+    natsConnection* raw = nullptr;
+    natsStatus status = natsConnection_Connect(&raw, options.get());
+    if (status != NATS_OK) return {{"reachable", false}, {"error", failure_text(status)}};
+    NatsConnectionPtr connection(raw, natsConnection_Destroy);
+    return connection_facts(connection.get(), timeout);
+  } catch (const std::exception& e) {
+    return {{"reachable", false}, {"error", e.what()}};
+  }
+}
+
+json nats_facts(const Args& args) {
+  std::vector<std::string> servers =
+      split_list(args.nats.value_or(env("FERRY_NATS_URL").value_or("")));
+  if (servers.empty()) return {{"configured", false}};
+  json facts = {{"configured", true},
+                {"source", args.nats ? "--nats" : "FERRY_NATS_URL"},
+                {"servers", servers}};
+  facts.update(reach(servers, args.timeout));
+  // Lets cnats' threads and memory go before exit (the connection is destroyed by now).
+  nats_CloseAndWait(args.timeout.count());
+  return facts;
+}
+
+// ---- versions and the same host --------------------------------------------------------------
+
+std::optional<std::string> first_line(const char* path) {
+  std::ifstream file(path);
+  std::string line;
+  if (!file || !std::getline(file, line)) return std::nullopt;
+  return line;
+}
+
+json versions_facts() {
+  json facts = {
+      {"ferry", FERRY_INFO_VERSION}, {"libuv", uv_version_string()}, {"cnats", nats_GetVersion()}};
+  utsname u{};
+  if (uname(&u) == 0)
+    facts["kernel"] = std::string(u.sysname) + " " + u.release + " " + u.version + " " + u.machine;
+  return facts;
+}
+
+std::string ptrace_scope_meaning(int scope) {
+  switch (scope) {
+    case 0:
+      return "classic: a process of the same user may read another (cma can be offered)";
+    case 1:
+      return "restricted: only ancestors may read a process, unless it lets any process in "
+             "(CmaOptions::ptracer_any, FERRY_CMA_PTRACER_ANY=1)";
+    case 2:
+      return "admin only: reading another process needs CAP_SYS_PTRACE";
+    case 3:
+      return "no process may read another";
+    default:
+      return "unknown setting";
+  }
+}
+
+json host_facts() {
+  json facts;
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) == 0) facts["hostname"] = name;
+  facts["boot_id"] = first_line("/proc/sys/kernel/random/boot_id").value_or("");
+  char ns[128] = {};
+  ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  facts["pid_namespace"] = n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : "";
+  auto scope = first_line("/proc/sys/kernel/yama/ptrace_scope");
+  if (!scope) {
+    facts["ptrace_scope"] = nullptr;
+    facts["ptrace_scope_meaning"] = "Yama not present";
+  } else {
+    int value = std::atoi(scope->c_str());
+    facts["ptrace_scope"] = value;
+    facts["ptrace_scope_meaning"] = ptrace_scope_meaning(value);
+  }
+  return facts;
+}
+
+// ---- text ------------------------------------------------------------------------------------
+
+/// `text` broken into lines of at most `width` characters, each after `indent` spaces.
+std::string wrap(const std::string& text, std::size_t indent, std::size_t width = 96) {
+  std::string out, line;
+  std::size_t start = 0;
+  while (start < text.size()) {
+    std::size_t space = text.find(' ', start);
+    std::string word =
+        text.substr(start, space == std::string::npos ? std::string::npos : space - start);
+    if (!line.empty() && indent + line.size() + 1 + word.size() > width) {
+      out += std::string(indent, ' ') + line + "\n";
+      line.clear();
+    }
+    line += (line.empty() ? "" : " ") + word;
+    if (space == std::string::npos) break;
+    start = space + 1;
+  }
+  if (!line.empty()) out += std::string(indent, ' ') + line + "\n";
+  return out;
+}
+
+void print_methods(const json& facts) {
+  std::printf("Methods, best first\n");
+  for (const json& m : facts["methods"]) {
+    if (!m["built"].get<bool>()) {
+      std::printf("  %-6s %4d  %s\n", m["method"].get<std::string>().c_str(), m["rank"].get<int>(),
+                  kNotBuilt);
+      continue;
+    }
+    std::string detail = m["detail"].get<std::string>();
+    if (m["available"].get<bool>() && !detail.empty()) detail = "needs: " + detail;
+    std::printf("  %-6s %4d  %-12s %s\n", m["method"].get<std::string>().c_str(),
+                m["rank"].get<int>(), m["status"].get<std::string>().c_str(), detail.c_str());
+  }
+  std::printf("%s", wrap(facts["rule"].get<std::string>(), 2).c_str());
+  if (facts["transports"].contains("error"))
+    std::printf(
+        "%s",
+        wrap("FERRY_TRANSPORTS: " + facts["transports"]["error"].get<std::string>(), 2).c_str());
+  auto offered = facts["offered"].get<std::vector<std::string>>();
+  if (offered.empty())
+    std::printf("  Offered here: none; a connector here cannot transfer.\n");
+  else
+    std::printf("  Offered here, best first: %s.\n", join(offered).c_str());
+  std::printf("\nMemory\n");
+  for (const json& m : facts["memory"])
+    std::printf("  %-6s %s\n", m["kind"].get<std::string>().c_str(),
+                m["detail"].get<std::string>().c_str());
+}
+
+void print_rdma(const json& facts) {
+  std::printf("\nRDMA devices\n");
+  if (!facts["usable"].get<bool>()) {
+    std::printf("  %s\n", facts["error"].get<std::string>().c_str());
+    return;
+  }
+  if (facts["devices"].empty() && facts.contains("detail"))
+    std::printf("  no RDMA device found: %s\n", facts["detail"].get<std::string>().c_str());
+  else if (facts["devices"].empty())
+    std::printf("  no RDMA device found\n");
+  for (const json& d : facts["devices"]) {
+    std::printf("  %s  node GUID %s", d["name"].get<std::string>().c_str(),
+                d["node_guid"].get<std::string>().c_str());
+    if (d.contains("error")) {
+      std::printf("  %s\n", d["error"].get<std::string>().c_str());
+      continue;
+    }
+    std::printf("  firmware %s\n", d["firmware"].get<std::string>().c_str());
+    for (const json& p : d["ports"]) {
+      if (p.contains("error")) {
+        std::printf("    port %d: %s\n", p["port"].get<int>(),
+                    p["error"].get<std::string>().c_str());
+        continue;
+      }
+      std::printf("    port %d: %s, %s, active MTU %d, LID %d, GID[0] %s\n", p["port"].get<int>(),
+                  p["state"].get<std::string>().c_str(), p["link_layer"].get<std::string>().c_str(),
+                  p["active_mtu"].get<int>(), p["lid"].get<int>(),
+                  p.value("gid0", std::string("?")).c_str());
+    }
+  }
+}
+
+void print_nats(const json& facts) {
+  std::printf("\nNATS\n");
+  if (!facts["configured"].get<bool>()) {
+    std::printf(
+        "  no NATS server configured (FERRY_NATS_URL unset): explicit metadata works, subjects "
+        "do not\n");
+    return;
+  }
+  auto servers = join(facts["servers"].get<std::vector<std::string>>());
+  std::printf("  servers        %s (from %s)\n", servers.c_str(),
+              facts["source"].get<std::string>().c_str());
+  if (!facts["reachable"].get<bool>()) {
+    std::printf("  unreachable    %s\n", facts["error"].get<std::string>().c_str());
+    return;
+  }
+  std::printf("  reachable      %s\n", facts.value("connected_url", std::string("?")).c_str());
+  std::printf("  server id      %s\n", facts.value("server_id", std::string("?")).c_str());
+  std::printf("  max payload    %lld bytes\n",
+              static_cast<long long>(facts["max_payload"].get<std::int64_t>()));
+  if (facts.contains("rtt_us"))
+    std::printf("  round trip     %lld us\n",
+                static_cast<long long>(facts["rtt_us"].get<std::int64_t>()));
+  if (facts.contains("local_ip"))
+    std::printf("  local address  %s (where a connector's tcp listener binds by default)\n",
+                facts["local_ip"].get<std::string>().c_str());
+}
+
+void print_versions_and_host(const json& versions, const json& host) {
+  std::printf("\nVersions\n");
+  for (const char* key : {"ferry", "libuv", "cnats", "kernel"})
+    if (versions.contains(key))
+      std::printf("  %-7s %s\n", key, versions[key].get<std::string>().c_str());
+  std::printf("\nSame host (what cma relies on)\n");
+  std::printf("  host name      %s\n", host.value("hostname", std::string("?")).c_str());
+  std::printf("  boot id        %s\n", host["boot_id"].get<std::string>().c_str());
+  std::printf("  PID namespace  %s\n", host["pid_namespace"].get<std::string>().c_str());
+  if (host["ptrace_scope"].is_null())
+    std::printf("  ptrace_scope   Yama not present\n");
+  else
+    std::printf("  ptrace_scope   %d (%s)\n", host["ptrace_scope"].get<int>(),
+                host["ptrace_scope_meaning"].get<std::string>().c_str());
+}
+
+void print_text(const json& doc) {
+  print_methods(doc);
+  print_rdma(doc["rdma"]);
+  print_nats(doc["nats"]);
+  print_versions_and_host(doc["versions"], doc["host"]);
+}
+
+json gather(const Args& args) {
+  json doc = methods_facts(args);
+  doc["rdma"] = rdma_facts();
+  doc["nats"] = nats_facts(args);
+  doc["versions"] = versions_facts();
+  doc["host"] = host_facts();
+  return doc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Args args = parse_args(argc, argv);
+    if (args.help) {
+      std::printf("%s%s", kSynopsis, kHelp);
+      return 0;
+    }
+    json doc = gather(args);
+    if (args.json)
+      std::cout << doc.dump(2) << std::endl;
+    else
+      print_text(doc);
+    bool unreachable =
+        doc["nats"]["configured"].get<bool>() && !doc["nats"]["reachable"].get<bool>();
+    return args.strict && unreachable ? 1 : 0;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "ferry-info: %s\n%s", e.what(), kSynopsis);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ferry-info: %s\n", e.what());
+    return 1;
+  }
+}
