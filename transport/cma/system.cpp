@@ -65,7 +65,11 @@ std::string unavailable_reason(bool ptracer_any) {
     return "process_vm_readv is refused even on this process (" + errno_text(err) +
            "): a seccomp filter, as a container without CAP_SYS_PTRACE has";
   }
-  switch (yama_ptrace_scope()) {
+  return yama_reason(yama_ptrace_scope(), ptracer_any);
+}
+
+std::string yama_reason(int scope, bool ptracer_any) {
+  switch (scope) {
     case 1:
       if (ptracer_any) return {};
       return "kernel.yama.ptrace_scope is 1: only this process's ancestors may read its memory, "

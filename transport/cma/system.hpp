@@ -31,6 +31,10 @@ int yama_ptrace_scope();
 /// scope. `ptracer_any`: scope 1 is acceptable because the caller will call allow_any_ptracer().
 std::string unavailable_reason(bool ptracer_any);
 
+/// What Yama's ptrace scope `scope` (-1: no Yama) means for peers that would read this
+/// process: empty when they may.
+std::string yama_reason(int scope, bool ptracer_any);
+
 /// prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY): under Yama scope 1, any process of the same user
 /// may then read this one. Returns the error text, or empty.
 std::string allow_any_ptracer();
