@@ -276,23 +276,18 @@ void CmaTransport::on_payload(tcp::Connection& conn, const tcp::FrameHeader& h, 
 void CmaTransport::on_closed(tcp::Connection& conn, const std::string& reason) {
   const std::string who = conn.describe_peer();
   if (conn.role() == tcp::Connection::Role::client) {
-    for (auto it = links_.begin(); it != links_.end();) {
-      if (it->second->conn == &conn) {
-        it->second->conn = nullptr;
-        it = links_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    std::erase_if(links_, [&](const auto& kv) { return kv.second->conn == &conn; });
     Error error = conn.notice().empty()
                       ? Error(ErrorCode::PeerLost, "connection to peer " + who + " lost: " + reason)
                       : Error(code_from_wire(conn.notice_code()),
                               "peer " + who + " closed the connection: " + conn.notice());
-    for (auto& [id, t] : transfers_) {
-      if (t->link == nullptr || t->link->conn != nullptr || t->finished) continue;
-      // Before the claim was granted, nothing of either side's memory was touched.
-      finish_transfer(*t, error, /*setup=*/!t->claimed);
-    }
+    // Every transfer on it (also those of a link replaced in the pool meanwhile).
+    std::vector<CmaTransfer*> on_it;
+    for (auto& [id, t] : transfers_)
+      if (t->link && t->link->conn == &conn) on_it.push_back(t);
+    for (CmaTransfer* t : on_it) t->link->conn = nullptr;
+    // Before the claim was granted, nothing of either side's memory was touched.
+    for (CmaTransfer* t : on_it) finish_transfer(*t, error, /*setup=*/!t->claimed);
   } else {
     // Its copies are over (a process closes its sockets last) or bounded by peer_timeout.
     for (auto it = claimed_.begin(); it != claimed_.end();) {
