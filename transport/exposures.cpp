@@ -55,6 +55,13 @@ std::uint64_t Exposures::exposed(std::uint64_t id) const {
   return total;
 }
 
+std::string Exposures::unwritten(std::uint64_t id) const {
+  const std::uint64_t all = exposed(id);
+  const std::uint64_t some = written(id);
+  if (some >= all) return {};
+  return "after writing " + std::to_string(some) + " of " + std::to_string(all) + " bytes";
+}
+
 void Exposures::sending(std::uint64_t id) {
   if (auto it = extra_.find(id); it != extra_.end()) ++it->second.sends;
 }

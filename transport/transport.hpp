@@ -84,6 +84,16 @@ class TransferObserver {
   virtual void on_transfer_setup_failed(const Error& error) { on_transfer_failed(error); }
 };
 
+/// Tells `observer` how a transfer ended: complete (no error), failed, or failed at set-up.
+inline void report(TransferObserver& observer, const std::optional<Error>& error, bool setup) {
+  if (error && setup)
+    observer.on_transfer_setup_failed(*error);
+  else if (error)
+    observer.on_transfer_failed(*error);
+  else
+    observer.on_transfer_complete();
+}
+
 /// What an active operation asks of a transport.
 struct TransferSpec {
   std::uint64_t remote_id = 0;  ///< the passive operation's id at its owner

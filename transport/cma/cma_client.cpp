@@ -450,12 +450,7 @@ void CmaTransport::finish_transfer(CmaTransfer& t, std::optional<Error> error, b
     if (it == transfers_.end() || it->second->notified) return;
     CmaTransfer& tr = *it->second;
     tr.notified = true;
-    if (error && setup)
-      tr.observer->on_transfer_setup_failed(*error);
-    else if (error)
-      tr.observer->on_transfer_failed(*error);
-    else
-      tr.observer->on_transfer_complete();
+    report(*tr.observer, error, setup);
   });
 }
 

@@ -129,18 +129,7 @@ class CmaTransfer final : public Transfer {
   std::uint64_t done_req = 0;
 };
 
-inline tcp::Connection::Sink fatal(std::string why) {
-  tcp::Connection::Sink s;
-  s.fatal = true;
-  s.error = std::move(why);
-  return s;
-}
-
-inline ErrorCode code_from_wire(std::uint32_t status) {
-  if (status >= static_cast<std::uint32_t>(ErrorCode::InvalidArgument) &&
-      status <= static_cast<std::uint32_t>(ErrorCode::Internal))
-    return static_cast<ErrorCode>(status);
-  return ErrorCode::ProtocolError;
-}
+using tcp::code_from_wire;
+using tcp::fatal;
 
 }  // namespace ferry::transport::cma

@@ -189,11 +189,8 @@ void CmaTransport::serve_done(tcp::Connection& conn, const tcp::FrameHeader& h,
     // Every range of the claim was copied under the grant before the peer said DONE. A
     // writable is complete only when they cover every byte it exposes.
     for (const auto& [addr, len] : claim->second.ranges) exposures_.landed(h.op_id, addr, len);
-    const std::uint64_t exposed = exposures_.exposed(h.op_id);
-    const std::uint64_t written = exposures_.written(h.op_id);
-    if (written < exposed) {
-      std::string why = "peer " + conn.describe_peer() + " said it was done after writing " +
-                        std::to_string(written) + " of " + std::to_string(exposed) + " bytes";
+    if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {
+      std::string why = "peer " + conn.describe_peer() + " said it was done " + short_of;
       reply_status(conn, h.req_id, ErrorCode::ProtocolError, why);
       finish_exposure(h.op_id, Error(ErrorCode::ProtocolError, why));
       return;

@@ -198,4 +198,12 @@ class Connection {
   bool sink_intact_ = true;
 };
 
+/// A sink that closes the connection with `why`: for a frame that breaks the protocol.
+inline Connection::Sink fatal(std::string why) {
+  Connection::Sink s;
+  s.fatal = true;
+  s.error = std::move(why);
+  return s;
+}
+
 }  // namespace ferry::transport::tcp

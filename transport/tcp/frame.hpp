@@ -53,6 +53,14 @@ FrameHeader decode(const std::byte* bytes) noexcept;
 /// returns an empty string when the header is well formed, else what is wrong.
 std::string malformed(const FrameHeader& header);
 
+/// The ErrorCode a STATUS or DONE frame carries; ProtocolError for a value that is none.
+inline ErrorCode code_from_wire(std::uint32_t status) {
+  if (status >= static_cast<std::uint32_t>(ErrorCode::InvalidArgument) &&
+      status <= static_cast<std::uint32_t>(ErrorCode::Internal))
+    return static_cast<ErrorCode>(status);
+  return ErrorCode::ProtocolError;
+}
+
 /// Whether a frame of this type carries `len` bytes of payload after its message.
 constexpr bool has_payload(FrameType type) noexcept {
   return type == FrameType::data || type == FrameType::write || type == FrameType::claim;

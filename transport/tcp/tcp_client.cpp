@@ -268,12 +268,7 @@ void TcpTransport::finish_transfer(TcpTransfer& t, std::optional<Error> error, b
     if (it == transfers_.end() || it->second->notified) return;
     TcpTransfer& tr = *it->second;
     tr.notified = true;
-    if (error && setup)
-      tr.observer->on_transfer_setup_failed(*error);
-    else if (error)
-      tr.observer->on_transfer_failed(*error);
-    else
-      tr.observer->on_transfer_complete();
+    report(*tr.observer, error, setup);
   });
 }
 

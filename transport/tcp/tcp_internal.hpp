@@ -45,18 +45,4 @@ class TcpTransfer final : public Transfer {
   std::unordered_set<std::uint64_t> reqs;  // requests awaiting an answer
 };
 
-inline Connection::Sink fatal(std::string why) {
-  Connection::Sink s;
-  s.fatal = true;
-  s.error = std::move(why);
-  return s;
-}
-
-inline ErrorCode code_from_wire(std::uint32_t status) {
-  if (status >= static_cast<std::uint32_t>(ErrorCode::InvalidArgument) &&
-      status <= static_cast<std::uint32_t>(ErrorCode::Internal))
-    return static_cast<ErrorCode>(status);
-  return ErrorCode::ProtocolError;
-}
-
 }  // namespace ferry::transport::tcp

@@ -178,13 +178,9 @@ void TcpTransport::serve_done(Connection& conn, const FrameHeader& h, const std:
   }
   claim(*v.entry, conn);
   if (h.status == 0 && access == Access::write) {
-    // A writable is complete only when every byte it exposes was written at least once:
-    // bytes written twice do not count twice.
-    const std::uint64_t exposed = exposures_.exposed(h.op_id);
-    const std::uint64_t written = exposures_.written(h.op_id);
-    if (written < exposed) {
-      std::string why = "peer " + conn.describe_peer() + " said it was done after writing " +
-                        std::to_string(written) + " of " + std::to_string(exposed) + " bytes";
+    // A writable is complete only when every byte it exposes was written at least once.
+    if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {
+      std::string why = "peer " + conn.describe_peer() + " said it was done " + short_of;
       reply_status(conn, h.req_id, ErrorCode::ProtocolError, why);
       finish_exposure(h.op_id, Error(ErrorCode::ProtocolError, why));
       return;
