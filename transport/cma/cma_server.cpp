@@ -35,7 +35,7 @@ tcp::Connection* CmaTransport::end_claim(std::uint64_t conn_id, std::uint64_t id
     // last a chunk; a peer that outlives peer_timeout holding the grant is reported.
     const bool drained = grants_.close(it->second.grant, why,
                                        std::chrono::steady_clock::now() + options_.peer_timeout,
-                                       [this, c = it->second.conn] { return peer_exited(c); });
+                                       [this, c = it->second.conn] { return peer_idle(c); });
     if (!drained)
       std::fprintf(stderr,
                    "ferry: cma: a peer still held a copy grant on operation %016llx %lld ms after "

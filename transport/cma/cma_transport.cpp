@@ -166,7 +166,7 @@ void CmaTransport::close() {
   for (auto& [id, c] : claimed_)
     grants_.close(c.grant, ErrorCode::Cancelled,
                   std::chrono::steady_clock::now() + options_.peer_timeout,
-                  [this, conn = c.conn] { return peer_exited(conn); });
+                  [this, conn = c.conn] { return peer_idle(conn); });
   claimed_.clear();
   exposures_.clear();
   links_.clear();
@@ -227,9 +227,11 @@ tcp::Connection* CmaTransport::find_conn(std::uint64_t id) {
   return it == conns_.end() ? nullptr : it->second.get();
 }
 
-bool CmaTransport::peer_exited(std::uint64_t conn_id) const {
+bool CmaTransport::peer_idle(std::uint64_t conn_id) const {
   auto it = accepted_.find(conn_id);
-  return it != accepted_.end() && process_exited(it->second.pidfd);
+  if (it == accepted_.end()) return false;
+  return process_exited(it->second.pidfd) ||
+         (it->second.pid > 0 && process_stopped(it->second.pid));
 }
 
 void CmaTransport::add_pending(std::uint64_t req, const Pending& p) {
@@ -297,7 +299,7 @@ void CmaTransport::on_closed(tcp::Connection& conn, const std::string& reason) {
       }
       grants_.close(it->second.grant, ErrorCode::PeerLost,
                     std::chrono::steady_clock::now() + options_.peer_timeout,
-                    [this, id = conn.id()] { return peer_exited(id); });
+                    [this, id = conn.id()] { return peer_idle(id); });
       it = claimed_.erase(it);
     }
     exposures_.lose_connection(

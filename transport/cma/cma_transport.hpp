@@ -100,7 +100,8 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
   void reply_status(tcp::Connection& conn, std::uint64_t req, ErrorCode code,
                     const std::string& msg);
-  bool peer_exited(std::uint64_t conn_id) const;
+  /// Whether the peer of server connection `conn_id` copies nothing: exited, or stopped.
+  bool peer_idle(std::uint64_t conn_id) const;
 
   // Client side (cma_client.cpp).
   tcp::Connection::Sink client_frame(tcp::Connection& conn, const tcp::FrameHeader& h,

@@ -90,15 +90,16 @@ std::optional<Grant> GrantTable::open() {
 }
 
 bool GrantTable::close(Grant grant, ErrorCode why, std::chrono::steady_clock::time_point deadline,
-                       const std::function<bool()>& peer_exited) {
+                       const std::function<bool()>& peer_idle) {
   auto w = word(grant.slot, 0);
   if (generation_of(w.load(std::memory_order_acquire)) != grant.generation) return true;
   word(grant.slot, 1).store(static_cast<std::uint64_t>(why), std::memory_order_relaxed);
   std::uint64_t cur = w.fetch_or(kEnded, std::memory_order_acq_rel) | kEnded;
   std::uint32_t* futex = low_half(base_ + std::size_t{grant.slot} * kSlotBytes);
   while ((cur & kCopies) != 0) {
-    // A peer that died holding the grant copies no more; only its count stays behind.
-    if (peer_exited && peer_exited()) break;
+    // A peer that died, or whose every thread is stopped, is copying nothing: its count
+    // stays behind, and a later release of it does nothing to the slot's next grant.
+    if (peer_idle && peer_idle()) break;
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       ++quarantined_;
@@ -154,8 +155,15 @@ bool GrantView::acquire(Grant grant) const noexcept {
 }
 
 void GrantView::release(Grant grant) const noexcept {
-  const std::uint64_t before = word(grant.slot, 0).fetch_sub(1, std::memory_order_acq_rel);
-  if ((before & kEnded) != 0 && (before & kCopies) == 1)
+  // Only the grant's own generation: an owner that stopped waiting for this copy (its peer
+  // was stopped, see GrantTable::close) may have handed the slot to another grant since.
+  auto w = word(grant.slot, 0);
+  std::uint64_t cur = w.load(std::memory_order_acquire);
+  do {
+    if (generation_of(cur) != grant.generation || (cur & kCopies) == 0) return;
+  } while (
+      !w.compare_exchange_weak(cur, cur - 1, std::memory_order_acq_rel, std::memory_order_acquire));
+  if ((cur & kEnded) != 0 && (cur & kCopies) == 1)
     futex_wake(low_half(base_ + std::size_t{grant.slot} * kSlotBytes));
 }
 

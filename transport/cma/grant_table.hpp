@@ -45,11 +45,11 @@ class GrantTable {
   /// A fresh grant, or nullopt when every slot is taken.
   std::optional<Grant> open();
   /// Ends `grant`: no copy starts under it any more; then waits until none is under way,
-  /// at most until `deadline`, and no longer once `peer_exited()` says the peer's process is
-  /// gone. Returns false when copies were still under way at the deadline: the slot is then
-  /// never reused (its peer may still give it back).
+  /// at most until `deadline`, and no longer once `peer_idle()` says the peer copies nothing
+  /// (its process exited, or every thread of it is stopped). Returns false when copies were
+  /// still under way at the deadline: the slot is then never reused.
   bool close(Grant grant, ErrorCode why, std::chrono::steady_clock::time_point deadline,
-             const std::function<bool()>& peer_exited);
+             const std::function<bool()>& peer_idle);
   /// Copies under way under `grant` (for tests).
   std::uint32_t in_flight(Grant grant) const noexcept;
   /// Slots given up for good because their copies outlived close()'s deadline.
@@ -81,7 +81,8 @@ class GrantView {
   bool holds(Grant grant) const noexcept;
   /// Takes the grant for one copy: false once the owner has ended it.
   bool acquire(Grant grant) const noexcept;
-  /// Gives it back after the copy; wakes an owner waiting in close().
+  /// Gives it back after the copy (only to the same generation); wakes an owner waiting in
+  /// close().
   void release(Grant grant) const noexcept;
   /// The code the owner ended the grant with (Cancelled when it says none).
   ErrorCode ended_with(Grant grant) const noexcept;

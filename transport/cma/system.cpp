@@ -1,5 +1,6 @@
 #include "transport/cma/system.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/prctl.h>
@@ -117,6 +118,33 @@ bool process_exited(int pidfd) noexcept {
   if (pidfd < 0) return false;
   pollfd p{pidfd, POLLIN, 0};
   return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP)) != 0;
+}
+
+bool process_stopped(std::int64_t pid) noexcept {
+  try {
+    const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+    DIR* dir = ::opendir(tasks.c_str());
+    if (dir == nullptr) return false;
+    bool all = true;
+    int seen = 0;
+    while (dirent* e = ::readdir(dir)) {
+      if (e->d_name[0] == '.') continue;
+      const std::string line = read_line((tasks + "/" + e->d_name + "/stat").c_str());
+      // "tid (comm) S ...": the state follows the last ')', since comm may hold any byte.
+      const auto close = line.rfind(')');
+      const char state =
+          close != std::string::npos && close + 2 < line.size() ? line[close + 2] : '?';
+      ++seen;
+      if (state != 'T' && state != 't') {
+        all = false;
+        break;
+      }
+    }
+    ::closedir(dir);
+    return all && seen > 0;
+  } catch (...) {
+    return false;
+  }
 }
 
 int copy(std::int64_t pid, Access access, iovec* local, iovec* remote, std::size_t count,

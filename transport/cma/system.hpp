@@ -45,6 +45,10 @@ int fetch_fd(int pidfd, std::int64_t pid, int fd) noexcept;
 /// Whether the process behind `pidfd` has exited (false when pidfd < 0: unknown).
 bool process_exited(int pidfd) noexcept;
 
+/// Whether every thread of process `pid` is stopped (SIGSTOP, a debugger): none of them is
+/// then inside a system call such as a copy. False when unknown.
+bool process_stopped(std::int64_t pid) noexcept;
+
 /// Copies with process_vm_readv (read: remote -> local) or process_vm_writev (write), going on
 /// after partial copies. `local[i]` and `remote[i]` have equal lengths. Returns 0, or the errno
 /// of the call that failed; `moved` counts the bytes copied before that.

@@ -6,6 +6,10 @@
 #include <chrono>
 #include <thread>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "loop/event_loop.hpp"
 #include "transport/cma/cma_internal.hpp"
 #include "transport/cma/grant_table.hpp"
@@ -100,6 +104,43 @@ TEST(GrantTable, SlotsAreReusedWithAFreshGenerationAndRunOut) {
   EXPECT_FALSE(peer.acquire(*a)) << "the old generation took the reused slot";
   EXPECT_TRUE(peer.acquire(*c));
   peer.release(*c);
+}
+
+TEST(GrantTable, ALateReleaseOfAnOldGrantLeavesTheSlotsNextGrantAlone) {
+  GrantTable table(1);
+  GrantView peer = view_of(table);
+  auto old = table.open();
+  ASSERT_TRUE(old.has_value());
+  ASSERT_TRUE(peer.acquire(*old));
+  // The owner stopped waiting (a stopped peer), and the slot went to the next grant.
+  ASSERT_TRUE(table.close(*old, ErrorCode::Cancelled, Clock::now() + 1s, [] { return true; }));
+  auto next = table.open();
+  ASSERT_TRUE(next.has_value());
+  ASSERT_EQ(next->slot, old->slot);
+  ASSERT_TRUE(peer.acquire(*next));
+  peer.release(*old);  // the stopped peer resumes and gives back what it held
+  EXPECT_EQ(table.in_flight(*next), 1u) << "an old release took the new grant's copy away";
+  peer.release(*next);
+  EXPECT_EQ(table.in_flight(*next), 0u);
+}
+
+TEST(System, AStoppedProcessIsSeenStoppedAndARunningOneNot) {
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    for (;;) ::pause();
+  }
+  EXPECT_FALSE(process_stopped(child));
+  ::kill(child, SIGSTOP);
+  bool stopped = false;
+  for (int i = 0; i < 200 && !stopped; ++i) {
+    std::this_thread::sleep_for(5ms);
+    stopped = process_stopped(child);
+  }
+  EXPECT_TRUE(stopped);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  EXPECT_FALSE(process_stopped(::getpid()));
 }
 
 TEST(GrantView, ASlotOutsideTheTableIsNotHeld) {
