@@ -10,7 +10,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <climits>
+#include <cstring>
+
+#include <ferry/ferry.hpp>
+
 #include "loop/event_loop.hpp"
+#include "tests/support/util.hpp"
 #include "transport/cma/cma_internal.hpp"
 #include "transport/cma/grant_table.hpp"
 #include "transport/cma/system.hpp"
@@ -272,3 +278,38 @@ TEST(Reach, AnotherHostOrNamespaceIsPassedOverWithItsReason) {
 
 }  // namespace
 }  // namespace ferry::transport::cma
+
+namespace ferry {
+namespace {
+
+// More pieces than one process_vm_* call takes (IOV_MAX): the copy is cut into jobs of at most
+// IOV_MAX pieces, on the thread pool, and every byte lands where the byte stream says.
+TEST(CmaBatches, ScatterGatherListsLongerThanIovMaxArriveWhole) {
+  ConnectorOptions o = test::named("batches");
+  o.transports = {"cma"};
+  o.cma.inline_max = 0;
+  o.nats.use_environment = false;
+  Connector owner(o);
+  Connector peer(o);
+  constexpr std::size_t kPieces = 2 * IOV_MAX + 77;
+  constexpr std::size_t kPiece = 61;
+  std::vector<std::byte> src(kPieces * kPiece);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::byte>((i * 131) % 251);
+  std::vector<std::byte> dst(src.size() + kPieces);  // one gap byte after every piece
+  std::vector<Descriptor> pieces;
+  for (std::size_t i = 0; i < kPieces; ++i)
+    pieces.emplace_back(dst.data() + i * (kPiece + 1), kPiece);
+  auto readable = owner.create_readable(src);
+  auto read = peer.begin_read(readable.metadata(), pieces);
+  ASSERT_TRUE(read.wait_for_completion(std::chrono::seconds(30)));
+  ASSERT_TRUE(readable.wait_for_completion(std::chrono::seconds(30)));
+  EXPECT_EQ(read.method(), "cma");
+  for (std::size_t i = 0; i < kPieces; ++i) {
+    ASSERT_EQ(std::memcmp(dst.data() + i * (kPiece + 1), src.data() + i * kPiece, kPiece), 0)
+        << "piece " << i;
+    ASSERT_EQ(dst[i * (kPiece + 1) + kPiece], std::byte{0}) << "gap after piece " << i;
+  }
+}
+
+}  // namespace
+}  // namespace ferry
