@@ -55,7 +55,6 @@ void CmaTransport::Job::run() noexcept {
     else
       err = copy(link->pid, access, local.data(), remote.data(), local.size(), moved);
     link->grants->release(grant);
-    if (moved > 0) state->touched.store(true, std::memory_order_relaxed);
   }
   {
     std::lock_guard lock(state->mu);
@@ -100,8 +99,12 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
 std::shared_ptr<PeerLink> CmaTransport::link_to(const TransferSpec& spec, std::string& error,
                                                 bool& refused) {
   if (auto it = links_.find(spec.endpoint.address);
-      it != links_.end() && it->second->conn != nullptr && it->second->conn->usable())
-    return it->second;
+      it != links_.end() && it->second->conn != nullptr && it->second->conn->usable()) {
+    if (it->second->refused.empty()) return it->second;
+    refused = true;
+    error = "cma: " + it->second->refused;
+    return nullptr;
+  }
   const OwnerInfo info = parse_info(spec.endpoint.info);
   const std::string who =
       "peer '" + spec.peer_name + "' (pid " + std::to_string(info.scope.pid) + ")";
@@ -300,14 +303,14 @@ void CmaTransport::job_done(Job& job) {
     return;
   }
   if (job.err != 0) {
-    // Refused before anything moved (permission changed since the probe): another method may
-    // still work. Anything else fails the transfer, and the owner hears why.
-    const bool setup = (job.err == EPERM || job.err == ESRCH) && !t.copy->touched.load();
-    Error error = copy_error(job.err, t.spec, t.link->pid);
-    // Refused: this method will not work toward this peer (remembered). Gone (ESRCH): the
-    // peer is lost, for every method.
-    if (setup && job.err == EPERM) error = Error(ErrorCode::Unsupported, error.message());
-    finish_transfer(t, error, setup);
+    // After the claim no other method can take over (the owner serves a claimed operation by
+    // its claim's method alone): the transfer fails as itself, and the owner hears why. A
+    // refusal (EPERM, which the probe on the loop thread did not meet: a seccomp filter on
+    // the pool's threads, say) is kept on the link, so that the next transfer toward this
+    // owner fails at set-up and falls back.
+    const Error error = copy_error(job.err, t.spec, t.link->pid);
+    if (job.err == EPERM) t.link->refused = error.message();
+    finish_transfer(t, error);
     send_done(t, &error);
     return;
   }
@@ -439,7 +442,6 @@ void CmaTransport::finish_transfer(CmaTransfer& t, std::optional<Error> error, b
   // No copy of this transfer runs after this: the local memory is the caller's again.
   t.copy->halt();
   if (t.ended_by_owner && t.link && t.link->conn != nullptr) t.link->conn->expect_answers(-1);
-  if (setup && t.copy->touched.load()) setup = false;
   erase_pending(t.claim_req);
   erase_pending(t.done_req);
   if (t.link && t.link->conn != nullptr) t.link->conn->release(t.id);

@@ -44,6 +44,7 @@ struct PeerLink {
   int pidfd = -1;  // the owner process, once proven to be it; -1 where pidfds do not exist
   std::unique_ptr<GrantView> grants;
   tcp::Connection* conn = nullptr;  // loop thread only; null once closed
+  std::string refused;              // a copy was refused (EPERM): later transfers fall back
   PeerLink() = default;
   PeerLink(const PeerLink&) = delete;
   PeerLink& operator=(const PeerLink&) = delete;
@@ -59,7 +60,6 @@ struct CopyState {
   std::condition_variable cv;
   int copying = 0;
   bool stop = false;
-  std::atomic<bool> touched{false};  // some copy moved bytes
   /// Stops jobs from starting, and waits for the ones copying. Bounded: a job copies one
   /// chunk.
   void halt() {

@@ -8,7 +8,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <fstream>
 
@@ -151,7 +153,8 @@ int copy(std::int64_t pid, Access access, iovec* local, iovec* remote, std::size
          std::uint64_t& moved) noexcept {
   std::size_t first = 0;
   while (first < count) {
-    const auto n = static_cast<unsigned long>(count - first);
+    // At most IOV_MAX pieces a call (EINVAL beyond).
+    const auto n = static_cast<unsigned long>(std::min<std::size_t>(count - first, IOV_MAX));
     const ssize_t got =
         access == Access::read
             ? ::process_vm_readv(static_cast<pid_t>(pid), local + first, n, remote + first, n, 0)

@@ -50,7 +50,8 @@ bool process_exited(int pidfd) noexcept;
 bool process_stopped(std::int64_t pid) noexcept;
 
 /// Copies with process_vm_readv (read: remote -> local) or process_vm_writev (write), going on
-/// after partial copies. `local[i]` and `remote[i]` have equal lengths. Returns 0, or the errno
+/// after partial copies, at most IOV_MAX pieces a call. `local[i]` and `remote[i]` have equal
+/// lengths. Returns 0, or the errno
 /// of the call that failed; `moved` counts the bytes copied before that.
 int copy(std::int64_t pid, Access access, iovec* local, iovec* remote, std::size_t count,
          std::uint64_t& moved) noexcept;
