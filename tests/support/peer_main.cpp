@@ -14,22 +14,52 @@
 //   read_at SEED SIZE SUBJECT     -> DONE ...  read by subject, verify the bytes
 //   write_at SEED SIZE SUBJECT    -> DONE ...  write patterned bytes by subject
 //   start_read_at SIZE SUBJECT    -> STARTED   begin a read by subject and do not wait
+//   readable_sg SEED CUT  -> META <json>      as readable, in pieces of the sizes in CUT
+//                                             ("a,b,c"), guard bytes between them
+//   writable_sg CUT       -> META <json>      as writable, in pieces
+//   read_sg SEED CUT <json>  -> DONE ...      read into pieces, verify the bytes and guards
+//   write_sg SEED CUT <json> -> DONE ...      write patterned bytes from pieces
+//   method                -> METHOD <active> <passive>   the methods that moved the bytes of
+//                                             the last active and passive operations ("-": none)
+//   probe_vm PID ADDR LEN -> PROBE ok | PROBE <errno name>   process_vm_readv of LEN bytes at
+//                                             ADDR (hex) in process PID, from here
+//   refuse_pool CALL      -> REFUSING <threads> | ERROR <why>   from now on, every thread of
+//                                             libuv's pool gets EPERM from CALL
+//                                             (process_vm_readv or process_vm_writev; a seccomp
+//                                             filter per thread), the loop thread does not
 //   quit                  -> (exits 0)
 //
 // The NATS side channel comes from the environment (FERRY_NATS_URL).
 //
-// A transfer whose bytes do not verify answers "DONE corrupt <offset>".
+// A transfer whose bytes do not verify answers "DONE corrupt <offset>" ("DONE corrupt guards"
+// when a byte outside the pieces changed); check answers "CHECK guards" for that.
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <uv.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <ferry/ferry.hpp>
 
 #include "tests/support/patterns.hpp"
+#include "tests/support/scattered.hpp"
 
 namespace {
 
@@ -52,6 +82,81 @@ std::unique_ptr<std::byte[]> make_buffer(std::size_t size) {
   return buf;
 }
 
+#if defined(__x86_64__)
+constexpr std::uint32_t kAuditArch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+constexpr std::uint32_t kAuditArch = AUDIT_ARCH_AARCH64;
+#else
+constexpr std::uint32_t kAuditArch = 0;
+#endif
+
+/// Installs, on every thread of libuv's pool (UV_THREADPOOL_SIZE of them, 4 by default), a
+/// seccomp filter under which system call `nr` fails with EPERM; other threads (this one, the
+/// connector's loop) are left as they are. Returns the number of threads, or throws
+/// std::runtime_error.
+unsigned refuse_on_pool_threads(long nr) {
+  if (kAuditArch == 0) throw std::runtime_error("no seccomp architecture known for this build");
+  unsigned threads = 4;
+  if (const char* v = std::getenv("UV_THREADPOOL_SIZE"); v != nullptr && std::atoi(v) > 0)
+    threads = static_cast<unsigned>(std::atoi(v));
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    unsigned arrived = 0;
+    unsigned installed = 0;
+    std::string error;
+    unsigned threads = 0;
+    long nr = 0;
+  } shared;
+  shared.threads = threads;
+  shared.nr = nr;
+  struct Item {
+    uv_work_t req{};
+    Shared* shared = nullptr;
+  };
+  std::vector<Item> items(threads);
+  uv_loop_t loop;
+  uv_loop_init(&loop);
+  for (Item& item : items) {
+    item.shared = &shared;
+    item.req.data = &item;
+    uv_queue_work(
+        &loop, &item.req,
+        [](uv_work_t* req) {
+          Shared& sh = *static_cast<Item*>(req->data)->shared;
+          std::unique_lock lock(sh.mu);
+          // All items at once, so that each runs on a thread of its own: every pool thread.
+          ++sh.arrived;
+          sh.cv.notify_all();
+          if (!sh.cv.wait_for(lock, std::chrono::seconds(10),
+                              [&] { return sh.arrived == sh.threads; })) {
+            sh.error = "the pool has fewer threads than UV_THREADPOOL_SIZE says";
+            return;
+          }
+          sock_filter filter[] = {
+              BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+              BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kAuditArch, 1, 0),
+              BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+              BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+              BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<std::uint32_t>(sh.nr), 0, 1),
+              BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+              BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+          };
+          sock_fprog prog{static_cast<unsigned short>(sizeof filter / sizeof filter[0]), filter};
+          if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+              ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0)
+            sh.error = std::string("seccomp: ") + std::strerror(errno);
+          else
+            ++sh.installed;
+        },
+        [](uv_work_t*, int) {});
+  }
+  uv_run(&loop, UV_RUN_DEFAULT);
+  uv_loop_close(&loop);
+  if (!shared.error.empty()) throw std::runtime_error(shared.error);
+  return shared.installed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -62,8 +167,10 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<std::byte[]> passive_mem;
   std::size_t passive_size = 0;
+  std::unique_ptr<test::Scattered> passive_sg;  // instead of passive_mem after *_sg
   Operation passive;
   std::unique_ptr<std::byte[]> active_mem;
+  std::unique_ptr<test::Scattered> active_sg;
   Operation active;
 
   std::string line;
@@ -82,6 +189,7 @@ int main(int argc, char** argv) {
         auto op = connector.create_readable({Descriptor(passive_mem.get(), size)});
         say("META " + op.metadata().to_json());
         passive = std::move(op);
+        passive_sg.reset();
       } else if (cmd == "writable") {
         std::size_t size = 0;
         in >> size;
@@ -90,6 +198,7 @@ int main(int argc, char** argv) {
         auto op = connector.create_writable({Descriptor(passive_mem.get(), size)});
         say("META " + op.metadata().to_json());
         passive = std::move(op);
+        passive_sg.reset();
       } else if (cmd == "wait") {
         try {
           passive.wait_for_completion();
@@ -101,7 +210,12 @@ int main(int argc, char** argv) {
       } else if (cmd == "check") {
         std::uint64_t seed = 0;
         in >> seed;
-        long long bad = test::first_mismatch(passive_mem.get(), passive_size, seed);
+        if (passive_sg && !passive_sg->guards_intact()) {
+          say("CHECK guards");
+          continue;
+        }
+        long long bad = passive_sg ? passive_sg->mismatch(seed)
+                                   : test::first_mismatch(passive_mem.get(), passive_size, seed);
         say(bad < 0 ? "CHECK ok" : "CHECK mismatch " + std::to_string(bad));
       } else if (cmd == "read" || cmd == "write" || cmd == "start_read") {
         std::uint64_t seed = 0;
@@ -147,6 +261,7 @@ int main(int argc, char** argv) {
           passive = connector.create_readable({Descriptor(passive_mem.get(), size)}, o);
         else
           passive = connector.create_writable({Descriptor(passive_mem.get(), size)}, o);
+        passive_sg.reset();
         say("READY");
       } else if (cmd == "read_at" || cmd == "write_at" || cmd == "start_read_at") {
         std::uint64_t seed = 0;
@@ -177,6 +292,90 @@ int main(int argc, char** argv) {
           }
         }
         say(describe(active));
+      } else if (cmd == "readable_sg" || cmd == "writable_sg") {
+        std::uint64_t seed = 0;
+        std::string cut;
+        if (cmd == "readable_sg") in >> seed;
+        in >> cut;
+        auto mem = std::make_unique<test::Scattered>(test::parse_cut(cut), seed);
+        Operation op;
+        if (cmd == "readable_sg") {
+          auto readable = connector.create_readable(mem->descriptors());
+          say("META " + readable.metadata().to_json());
+          op = std::move(readable);
+        } else {
+          auto writable = connector.create_writable(mem->descriptors());
+          say("META " + writable.metadata().to_json());
+          op = std::move(writable);
+        }
+        passive = std::move(op);  // the old operation ends before its memory goes
+        passive_sg = std::move(mem);
+        passive_mem.reset();
+      } else if (cmd == "read_sg" || cmd == "write_sg") {
+        std::uint64_t seed = 0;
+        std::string cut;
+        in >> seed >> cut;
+        std::string json;
+        std::getline(in >> std::ws, json);
+        RdmaMetadata meta = RdmaMetadata::from_json(json);
+        auto mem =
+            std::make_unique<test::Scattered>(test::parse_cut(cut), cmd == "write_sg" ? seed : 0);
+        Operation op;
+        if (cmd == "write_sg")
+          op = connector.begin_write(mem->descriptors(), meta);
+        else
+          op = connector.begin_read(meta, mem->descriptors());
+        active = std::move(op);
+        active_sg = std::move(mem);
+        try {
+          active.wait_for_completion();
+        } catch (const Error&) {
+        }
+        if (cmd == "read_sg" && active.status() == OperationStatus::complete) {
+          if (!active_sg->guards_intact()) {
+            say("DONE corrupt guards");
+            continue;
+          }
+          if (long long bad = active_sg->mismatch(seed); bad >= 0) {
+            say("DONE corrupt " + std::to_string(bad));
+            continue;
+          }
+        }
+        say(describe(active));
+      } else if (cmd == "method") {
+        auto of = [](const Operation& op) {
+          const std::string m = op ? op.method() : std::string();
+          return m.empty() ? std::string("-") : m;
+        };
+        say("METHOD " + of(active) + " " + of(passive));
+      } else if (cmd == "probe_vm") {
+        long long pid = 0;
+        std::string addr;
+        std::size_t len = 0;
+        in >> pid >> addr >> len;
+        std::vector<char> seen(len);
+        iovec local{seen.data(), len};
+        iovec remote{reinterpret_cast<void*>(std::stoull(addr, nullptr, 16)), len};
+        const ssize_t got = ::process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
+        const char* err = got < 0 ? strerrorname_np(errno) : nullptr;
+        say(got == static_cast<ssize_t>(len) ? std::string("PROBE ok")
+            : got >= 0                       ? "PROBE short " + std::to_string(got)
+                                             : std::string("PROBE ") + (err ? err : "?"));
+      } else if (cmd == "refuse_pool") {
+        std::string call;
+        in >> call;
+        long nr = call == "process_vm_readv"    ? SYS_process_vm_readv
+                  : call == "process_vm_writev" ? SYS_process_vm_writev
+                                                : -1;
+        if (nr < 0) {
+          say("ERROR unknown system call " + call);
+          continue;
+        }
+        try {
+          say("REFUSING " + std::to_string(refuse_on_pool_threads(nr)));
+        } catch (const std::exception& e) {
+          say(std::string("ERROR ") + e.what());
+        }
       } else if (cmd == "quit") {
         return 0;
       } else {
