@@ -1,0 +1,623 @@
+// The same-host method (cma) through the SDK: chosen between processes of this host and moving
+// scatter/gather lists both ways; tcp when either side leaves cma out; falling back to tcp when
+// process_vm_* is refused (a peer in a user namespace of its own, or a refusal injected by
+// tests/support/faulty_transport.hpp) and remembering that per peer; a cancelled operation's
+// memory never touched by a late copy; an owner killed mid-read; what probe_methods says.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+
+#include "tests/support/child_process.hpp"
+#include "tests/support/faulty_transport.hpp"
+#include "tests/support/patterns.hpp"
+#include "tests/support/scattered.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+
+namespace test {
+// gtest (and ctest's test list) print parameters by name, not as bytes.
+inline void PrintTo(Side side, std::ostream* os) { *os << side_name(side); }
+inline void PrintTo(SetupFault fault, std::ostream* os) {
+  *os << (fault == SetupFault::none             ? "none"
+          : fault == SetupFault::report_failure ? "report_failure"
+                                                : "throw_error");
+}
+}  // namespace test
+
+inline void PrintTo(ErrorCode code, std::ostream* os) { *os << to_string(code); }
+inline void PrintTo(OperationStatus status, std::ostream* os) { *os << to_string(status); }
+
+namespace {
+
+using namespace std::chrono_literals;
+using test::ChildProcess;
+using test::eventually;
+using test::peer_command;
+using test::Scattered;
+using test::SetupFault;
+using test::Side;
+using test::uneven_cut;
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr auto kWait = 120s;
+
+/// Options that do not read the environment (neither FERRY_TRANSPORTS nor NATS).
+ConnectorOptions options(std::string name, std::vector<std::string> transports = {"tcp", "cma"}) {
+  ConnectorOptions o = test::named(std::move(name));
+  o.transports = std::move(transports);
+  o.nats.use_environment = false;
+  return o;
+}
+
+/// As above, with cma made slow: one copy job of `chunk` bytes at a time through the pool, so
+/// that a transfer of 256 MiB is under way when the test acts.
+ConnectorOptions slow_cma(std::string name, std::size_t chunk = 4096) {
+  ConnectorOptions o = options(std::move(name));
+  o.cma.chunk_size = chunk;
+  o.cma.parallel = 1;
+  o.cma.inline_max = 0;
+  return o;
+}
+
+/// Why cma is not offered here (empty: it is).
+std::string cma_missing() {
+  for (const MethodInfo& m : probe_methods(options("probe")))
+    if (m.method == "cma") return m.available ? std::string() : m.detail;
+  return "this build has no cma method";
+}
+
+#define SKIP_WITHOUT_CMA()                                        \
+  do {                                                            \
+    if (const std::string why = cma_missing(); !why.empty())      \
+      GTEST_SKIP() << "cma is not offered on this host: " << why; \
+  } while (false)
+
+std::string expect_prefix(const std::string& line, const std::string& prefix) {
+  EXPECT_EQ(line.rfind(prefix, 0), 0u) << line;
+  return line.size() > prefix.size() ? line.substr(prefix.size()) : std::string();
+}
+
+/// The child's "method" answer: (its last active operation's method, its passive one's).
+std::pair<std::string, std::string> child_methods(ChildProcess& child) {
+  child.send_line("method");
+  std::istringstream in(expect_prefix(child.read_line(), "METHOD "));
+  std::pair<std::string, std::string> out;
+  in >> out.first >> out.second;
+  return out;
+}
+
+/// The passive side's cut (3 to 7 uneven pieces) and a different one for the active side.
+std::vector<std::size_t> passive_cut(std::size_t size, std::size_t round) {
+  static const std::vector<std::vector<unsigned>> weights = {
+      {3, 1, 7}, {5, 2, 9, 1}, {3, 1, 7, 2, 5}, {2, 9, 1, 4, 6, 3}, {1, 8, 3, 5, 2, 7, 4}};
+  return uneven_cut(size, weights[round % weights.size()]);
+}
+std::vector<std::size_t> active_cut(std::size_t size, std::size_t round) {
+  static const std::vector<std::vector<unsigned>> weights = {{5, 2}, {1, 4, 3}, {6, 1, 1, 2}};
+  return uneven_cut(size, weights[round % weights.size()]);
+}
+
+ChildProcess child_with(const std::string& name, const std::string& transports,
+                        std::vector<std::string> prefix = {}) {
+  std::vector<std::string> argv = std::move(prefix);
+  for (std::string& a : peer_command({name})) argv.push_back(std::move(a));
+  return ChildProcess(argv, {"FERRY_TRANSPORTS=" + transports});
+}
+
+/// One transfer of `size` bytes between us and the child, the passive side and direction
+/// given by `side`, both sides in pieces; checks the bytes (and the guards around the pieces)
+/// and that both sides name `method` as the one that moved them.
+void exchange(Connector& us, ChildProcess& child, Side side, std::size_t size, std::size_t round,
+              const std::string& method) {
+  SCOPED_TRACE(test::side_name(side) + ", " + std::to_string(size) + " bytes");
+  const std::uint64_t seed = 1000 + round;
+  const auto pcut = passive_cut(size, round);
+  const auto acut = active_cut(size, round);
+  switch (side) {
+    case Side::WeRead: {
+      child.send_line("readable_sg " + std::to_string(seed) + " " + test::cut_text(pcut));
+      auto meta = RdmaMetadata::from_json(expect_prefix(child.read_line(), "META "));
+      ASSERT_EQ(meta.descriptors.size(), pcut.size());
+      Scattered dst(acut, 0);
+      auto read = us.begin_read(meta, dst.descriptors());
+      ASSERT_TRUE(read.wait_for_completion(kWait));
+      EXPECT_EQ(read.method(), method);
+      EXPECT_EQ(dst.mismatch(seed), -1);
+      EXPECT_TRUE(dst.guards_intact());
+      child.send_line("wait");
+      EXPECT_EQ(child.read_line(kWait), "DONE complete");
+      EXPECT_EQ(child_methods(child).second, method);
+      break;
+    }
+    case Side::WeWrite: {
+      child.send_line("writable_sg " + test::cut_text(pcut));
+      auto meta = RdmaMetadata::from_json(expect_prefix(child.read_line(), "META "));
+      ASSERT_EQ(meta.descriptors.size(), pcut.size());
+      Scattered src(acut, seed);
+      auto write = us.begin_write(src.descriptors(), meta);
+      ASSERT_TRUE(write.wait_for_completion(kWait));
+      EXPECT_EQ(write.method(), method);
+      child.send_line("wait");
+      EXPECT_EQ(child.read_line(kWait), "DONE complete");
+      child.send_line("check " + std::to_string(seed));
+      EXPECT_EQ(child.read_line(kWait), "CHECK ok");
+      EXPECT_EQ(child_methods(child).second, method);
+      break;
+    }
+    case Side::OurReadable: {
+      Scattered src(pcut, seed);
+      auto readable = us.create_readable(src.descriptors());
+      child.send_line("read_sg " + std::to_string(seed) + " " + test::cut_text(acut) + " " +
+                      readable.metadata().to_json());
+      EXPECT_EQ(child.read_line(kWait), "DONE complete");
+      ASSERT_TRUE(readable.wait_for_completion(kWait));
+      EXPECT_EQ(readable.method(), method);
+      EXPECT_EQ(child_methods(child).first, method);
+      break;
+    }
+    case Side::OurWritable: {
+      Scattered dst(pcut, 0);
+      auto writable = us.create_writable(dst.descriptors());
+      child.send_line("write_sg " + std::to_string(seed) + " " + test::cut_text(acut) + " " +
+                      writable.metadata().to_json());
+      EXPECT_EQ(child.read_line(kWait), "DONE complete");
+      ASSERT_TRUE(writable.wait_for_completion(kWait));
+      EXPECT_EQ(writable.method(), method);
+      EXPECT_EQ(dst.mismatch(seed), -1);
+      EXPECT_TRUE(dst.guards_intact());
+      EXPECT_EQ(child_methods(child).first, method);
+      break;
+    }
+  }
+}
+
+void quit(ChildProcess& child) {
+  child.send_line("quit");
+  const int status = child.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+}
+
+// ---------------------------------------------------------------------------------------
+// cma between two processes of this host
+
+class CmaBetweenProcesses : public ::testing::TestWithParam<Side> {};
+
+TEST_P(CmaBetweenProcesses, MovesScatterGatherListsOfEverySize) {
+  SKIP_WITHOUT_CMA();
+  Connector us(options("parent"));
+  ChildProcess child = child_with("child", "tcp,cma");
+  const std::vector<std::size_t> sizes = {1, 4096 + 1, kMiB, 64 * kMiB, 256 * kMiB};
+  for (std::size_t i = 0; i < sizes.size() && !HasFatalFailure(); ++i)
+    exchange(us, child, GetParam(), sizes[i], i, "cma");
+  quit(child);
+}
+
+std::string side_param(const ::testing::TestParamInfo<Side>& p) { return test::side_name(p.param); }
+
+INSTANTIATE_TEST_SUITE_P(Sides, CmaBetweenProcesses,
+                         ::testing::Values(Side::WeRead, Side::WeWrite, Side::OurReadable,
+                                           Side::OurWritable),
+                         side_param);
+
+// ---------------------------------------------------------------------------------------
+// tcp when either side leaves cma out
+
+class CmaLeftOut : public ::testing::TestWithParam<Side> {};
+
+TEST_P(CmaLeftOut, ByTheChildTcpMovesTheBytes) {
+  Connector us(options("parent"));
+  ChildProcess child = child_with("tcp-child", "tcp");
+  exchange(us, child, GetParam(), kMiB + 13, 2, "tcp");
+  quit(child);
+}
+
+TEST_P(CmaLeftOut, ByUsTcpMovesTheBytes) {
+  Connector us(options("parent", {"tcp"}));
+  ChildProcess child = child_with("child", "tcp,cma");
+  exchange(us, child, GetParam(), kMiB + 13, 3, "tcp");
+  quit(child);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sides, CmaLeftOut,
+                         ::testing::Values(Side::WeRead, Side::WeWrite, Side::OurReadable,
+                                           Side::OurWritable),
+                         side_param);
+
+// ---------------------------------------------------------------------------------------
+// A peer in a user namespace of its own: process_vm_* from it into us is refused
+
+std::string find_program(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path != nullptr ? path : "/usr/bin:/bin");
+  std::string dir;
+  while (std::getline(dirs, dir, ':'))
+    if (!dir.empty() && ::access((dir + "/" + name).c_str(), X_OK) == 0) return dir + "/" + name;
+  return {};
+}
+
+/// 16 bytes of this process a peer tries to read.
+const char kProbeBytes[16] = "ferry-userns";
+
+struct UserNamespace {
+  std::vector<std::string> prefix;  // the command line that puts a program in a new one
+  std::string skip;                 // why the tests cannot run here (empty: they can)
+};
+
+/// Whether `unshare --user --map-root-user` works here, and whether a process in the new user
+/// namespace is refused process_vm_readv into this one (checked once).
+const UserNamespace& user_namespace() {
+  static const UserNamespace found = [] {
+    UserNamespace u;
+    const std::string unshare = find_program("unshare");
+    if (unshare.empty()) {
+      u.skip = "no unshare program in PATH";
+      return u;
+    }
+    u.prefix = {unshare, "--user", "--map-root-user"};
+    try {
+      ChildProcess child = child_with("userns-probe", "tcp,cma", u.prefix);
+      char addr[32];
+      std::snprintf(addr, sizeof addr, "%llx",
+                    static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(kProbeBytes)));
+      child.send_line("probe_vm " + std::to_string(::getpid()) + " " + addr + " 16");
+      const std::string answer = child.read_line(20s);
+      child.send_line("quit");
+      child.wait();
+      if (answer == "PROBE ok")
+        u.skip =
+            "process_vm_readv from a user namespace of its own into this process is allowed "
+            "here; the fallback cannot be provoked this way";
+      else if (answer != "PROBE EPERM")
+        u.skip = "probing process_vm_readv from a user namespace answered '" + answer + "'";
+    } catch (const std::exception& e) {
+      u.skip = std::string("a peer under unshare --user --map-root-user did not run: ") + e.what();
+    }
+    return u;
+  }();
+  return found;
+}
+
+class CmaFromUserNamespace : public ::testing::TestWithParam<Side> {};
+
+// The child is the active side; the kernel refuses its process_vm_readv/writev into us (it
+// holds no CAP_SYS_PTRACE over our user namespace), so cma fails at set-up and tcp moves the
+// bytes.
+TEST_P(CmaFromUserNamespace, TheChildFallsBackToTcp) {
+  SKIP_WITHOUT_CMA();
+  const UserNamespace& ns = user_namespace();
+  if (!ns.skip.empty()) GTEST_SKIP() << ns.skip;
+  Connector us(options("parent"));
+  ChildProcess child = child_with("userns-child", "tcp,cma", ns.prefix);
+  exchange(us, child, GetParam(), 4 * kMiB + 5, 1, "tcp");
+  quit(child);
+}
+
+INSTANTIATE_TEST_SUITE_P(ChildActs, CmaFromUserNamespace,
+                         ::testing::Values(Side::OurReadable, Side::OurWritable), side_param);
+
+/// Whether this process may use process_vm_readv on `pid`: reading an unmapped address fails
+/// with EFAULT once permitted, EPERM when not.
+bool may_read(pid_t pid) {
+  char byte = 0;
+  iovec local{&byte, 1};
+  iovec remote{reinterpret_cast<void*>(std::uintptr_t{8}), 1};
+  const ssize_t got = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
+  return got == 1 || errno != EPERM;
+}
+
+class CmaIntoUserNamespace : public ::testing::TestWithParam<Side> {};
+
+// We are the active side and the child, in a user namespace of its own, owns the memory.
+// Whether the kernel lets us in depends on our credentials: a process in the parent user
+// namespace with CAP_SYS_PTRACE there (root, as here) or whose uid owns the child's namespace
+// (an unprivileged user who made it) may read and write the child, so cma is expected; where
+// it is refused, tcp is. Either way the bytes arrive.
+TEST_P(CmaIntoUserNamespace, UsesWhatTheKernelAllows) {
+  SKIP_WITHOUT_CMA();
+  const UserNamespace& ns = user_namespace();
+  if (!ns.skip.empty()) GTEST_SKIP() << ns.skip;
+  Connector us(options("parent"));
+  ChildProcess child = child_with("userns-owner", "tcp,cma", ns.prefix);
+  child.send_line("status");  // answered once the peer runs in its namespace
+  expect_prefix(child.read_line(), "STATUS ");
+  const bool allowed = may_read(child.pid());
+  std::cout << "process_vm_readv into the child's user namespace is "
+            << (allowed ? "allowed: cma expected" : "refused: tcp expected") << std::endl;
+  exchange(us, child, GetParam(), 4 * kMiB + 5, 2, allowed ? "cma" : "tcp");
+  quit(child);
+}
+
+INSTANTIATE_TEST_SUITE_P(WeAct, CmaIntoUserNamespace,
+                         ::testing::Values(Side::WeRead, Side::WeWrite), side_param);
+
+// ---------------------------------------------------------------------------------------
+// A refusal injected by a decorator of the real cma transport
+
+class CmaRefused : public ::testing::TestWithParam<SetupFault> {};
+
+TEST_P(CmaRefused, FallsBackToTcpAndRemembersThePeer) {
+  SKIP_WITHOUT_CMA();
+  test::FaultyTransportFactory faulty("cma");
+  faulty.control().set_fault(GetParam());
+  Connector us(options("us"));
+  Connector first(options("first"));
+  Connector second(options("second"));
+  Connector third(options("third"));
+  ASSERT_EQ(faulty.control().transports_made(), 4u);
+  constexpr std::size_t kSize = kMiB + 7;
+
+  auto read_from = [&](Connector& owner, std::uint64_t seed, const std::string& method) {
+    Scattered src(passive_cut(kSize, seed), seed);
+    Scattered dst(active_cut(kSize, seed), 0);
+    auto readable = owner.create_readable(src.descriptors());
+    auto read = us.begin_read(readable.metadata(), dst.descriptors());
+    ASSERT_TRUE(read.wait_for_completion(kWait));
+    ASSERT_TRUE(readable.wait_for_completion(kWait));
+    EXPECT_EQ(read.method(), method);
+    EXPECT_EQ(readable.method(), method);
+    EXPECT_EQ(dst.mismatch(seed), -1);
+    EXPECT_TRUE(dst.guards_intact());
+  };
+
+  // Refused: tcp moves the bytes.
+  read_from(first, 1, "tcp");
+  EXPECT_EQ(faulty.control().setup_attempts(), 1u);
+  EXPECT_EQ(faulty.control().injected(), 1u);
+  // The same peer again: cma is not tried again.
+  read_from(first, 2, "tcp");
+  EXPECT_EQ(faulty.control().setup_attempts(), 1u);
+  // A write to that peer neither.
+  {
+    Scattered src(active_cut(kSize, 3), 3);
+    Scattered dst(passive_cut(kSize, 3), 0);
+    auto writable = first.create_writable(dst.descriptors());
+    auto write = us.begin_write(src.descriptors(), writable.metadata());
+    ASSERT_TRUE(write.wait_for_completion(kWait));
+    ASSERT_TRUE(writable.wait_for_completion(kWait));
+    EXPECT_EQ(write.method(), "tcp");
+    EXPECT_EQ(dst.mismatch(3), -1);
+  }
+  EXPECT_EQ(faulty.control().setup_attempts(), 1u);
+  // Another peer is tried again (and refused again).
+  read_from(second, 4, "tcp");
+  EXPECT_EQ(faulty.control().setup_attempts(), 2u);
+  // With the refusals over, a peer not refused before gets cma, through the decorator.
+  faulty.control().set_fault(SetupFault::none);
+  read_from(third, 5, "cma");
+  EXPECT_EQ(faulty.control().setup_attempts(), 3u);
+  EXPECT_EQ(faulty.control().injected(), 2u);
+  // ...while the refused peers stay on tcp.
+  read_from(first, 6, "tcp");
+  EXPECT_EQ(faulty.control().setup_attempts(), 3u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, CmaRefused,
+                         ::testing::Values(SetupFault::report_failure, SetupFault::throw_error),
+                         [](const ::testing::TestParamInfo<SetupFault>& p) {
+                           return p.param == SetupFault::report_failure ? "ReportedFromTheLoop"
+                                                                        : "ThrownByStart";
+                         });
+
+TEST(CmaRefused, TheBuiltInMethodIsBackOnceTheDecoratorGoes) {
+  SKIP_WITHOUT_CMA();
+  {
+    test::FaultyTransportFactory faulty("cma");
+    faulty.control().set_fault(SetupFault::throw_error);
+  }
+  Connector us(options("us"));
+  Connector them(options("them"));
+  auto src = test::patterned(kMiB, 9);
+  auto dst = test::buffer(kMiB);
+  auto readable = them.create_readable(src);
+  auto read = us.begin_read(readable.metadata(), dst);
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  EXPECT_EQ(read.method(), "cma");
+  EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 9), -1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Cancelled operations: no copy lands after cancel() has returned
+
+constexpr std::size_t kBig = 256 * kMiB;
+constexpr std::byte kSentinel{0xee};
+
+/// Waits until the first 64 KiB of `src` are in `dst`: the copy is under way.
+bool landed(const std::byte* dst, const std::byte* src) {
+  return eventually([&] { return std::memcmp(dst, src, 64 << 10) == 0; }, 30s);
+}
+
+/// The offset of the first byte of `mem` that is not `value`, or -1.
+long long first_not(const std::byte* mem, std::size_t size, std::byte value) {
+  for (std::size_t i = 0; i < size; ++i)
+    if (mem[i] != value) return static_cast<long long>(i);
+  return -1;
+}
+
+/// Sets all `size` bytes of `dst` to kSentinel, within microseconds where an in-order copy
+/// from `src` (one job of `chunk` bytes at a time) has got to: the chunk being copied and the
+/// next, backwards from their end, so that a copy still under way there lands on the sentinel
+/// and shows. Returns how far the copy had got (the start of the first chunk whose first bytes
+/// differ from `src`).
+std::size_t sentinel_from_frontier(std::byte* dst, const std::byte* src, std::size_t size,
+                                   std::size_t chunk) {
+  std::size_t lo = 0;
+  std::size_t hi = size / chunk;
+  while (lo < hi) {
+    const std::size_t mid = (lo + hi) / 2;
+    if (std::memcmp(dst + mid * chunk, src + mid * chunk, 8) == 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  auto fill = [&](std::size_t from, std::size_t to) {
+    std::memset(dst + from, static_cast<int>(kSentinel), to - from);
+  };
+  const std::size_t from = lo >= 1 ? (lo - 1) * chunk : 0;
+  const std::size_t to = std::min(size, (lo + 1) * chunk);
+  for (std::size_t end = to; end > from;) {
+    const std::size_t begin = end - std::min<std::size_t>(end - from, 256 << 10);
+    fill(begin, end);
+    end = begin;
+  }
+  fill(0, from);
+  fill(to, size);
+  return std::min(size, lo * chunk);
+}
+
+// Small copy jobs (4 KiB: many chances to cancel between two) and large ones (16 MiB: a copy is
+// surely under way when cancel() is called, and would go on landing for milliseconds after it
+// if cancel() did not wait for it).
+class CmaCancel : public ::testing::TestWithParam<std::size_t> {};
+
+TEST_P(CmaCancel, ACancelledWritableIsNeverTouchedByALateCopy) {
+  SKIP_WITHOUT_CMA();
+  const std::size_t chunk = GetParam();
+  Connector owner(options("owner"));
+  Connector writer(slow_cma("writer", chunk));
+  auto src = std::make_unique_for_overwrite<std::byte[]>(kBig);
+  auto dst = std::make_unique_for_overwrite<std::byte[]>(kBig);
+  test::fill_pattern(src.get(), kBig, 41);
+  for (int round = 1; round <= 3 && !HasFailure(); ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    std::memset(dst.get(), 0, kBig);
+    auto writable = owner.create_writable({Descriptor(dst.get(), kBig)});
+    auto write = writer.begin_write({Descriptor(src.get(), kBig)}, writable.metadata());
+    ASSERT_TRUE(landed(dst.get(), src.get())) << "no byte arrived";
+    writable.cancel();
+    // From here on the memory is ours again: whatever a late copy would put there shows.
+    const std::size_t arrived = sentinel_from_frontier(dst.get(), src.get(), kBig, chunk);
+    std::this_thread::sleep_for(200ms);
+    EXPECT_EQ(first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
+    EXPECT_LT(arrived, kBig) << "the write was over before cancel()";
+    EXPECT_EQ(writable.status(), OperationStatus::cancelled);
+    EXPECT_EQ(write.method(), "cma");
+    const ErrorCode code = test::ended_with(write, 10s);
+    EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied) << to_string(code);
+    EXPECT_EQ(first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
+    std::cout << "round " << round << ": cancelled after about " << arrived
+              << " bytes had arrived; the write ended " << to_string(code) << std::endl;
+  }
+}
+
+TEST_P(CmaCancel, ACancelledReadIsNeverTouchedByALateCopy) {
+  SKIP_WITHOUT_CMA();
+  const std::size_t chunk = GetParam();
+  Connector owner(options("owner"));
+  Connector reader(slow_cma("reader", chunk));
+  auto src = std::make_unique_for_overwrite<std::byte[]>(kBig);
+  auto dst = std::make_unique_for_overwrite<std::byte[]>(kBig);
+  test::fill_pattern(src.get(), kBig, 43);
+  for (int round = 1; round <= 3 && !HasFailure(); ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    std::memset(dst.get(), 0, kBig);
+    auto readable = owner.create_readable({Descriptor(src.get(), kBig)});
+    auto read = reader.begin_read(readable.metadata(), {Descriptor(dst.get(), kBig)});
+    ASSERT_TRUE(landed(dst.get(), src.get())) << "no byte arrived";
+    read.cancel();
+    const std::size_t arrived = sentinel_from_frontier(dst.get(), src.get(), kBig, chunk);
+    std::this_thread::sleep_for(200ms);
+    EXPECT_EQ(first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
+    EXPECT_LT(arrived, kBig) << "the read was over before cancel()";
+    EXPECT_EQ(read.status(), OperationStatus::cancelled);
+    EXPECT_EQ(read.method(), "cma");
+    // The owner hears that its peer gave up.
+    EXPECT_NE(test::ended_with(readable, 10s), ErrorCode::Internal);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Chunks, CmaCancel, ::testing::Values(std::size_t{4096}, 16 * kMiB),
+                         test::size_name);
+
+// ---------------------------------------------------------------------------------------
+// The owner killed mid-read
+
+TEST(CmaPeerKilled, OwnerKilledMidReadErrorsTheReadWithPeerLost) {
+  SKIP_WITHOUT_CMA();
+  Connector us(slow_cma("parent"));
+  ChildProcess child = child_with("doomed-owner", "tcp,cma");
+  child.send_line("readable " + std::to_string(kBig) + " 77");
+  auto meta = RdmaMetadata::from_json(expect_prefix(child.read_line(60s), "META "));
+  auto dst = std::make_unique<std::byte[]>(kBig);
+  auto read = us.begin_read(meta, {Descriptor(dst.get(), kBig)});
+  ASSERT_TRUE(eventually([&] { return test::first_mismatch(dst.get(), 64 << 10, 77) < 0; }, 30s))
+      << "no byte arrived";
+  ASSERT_EQ(read.status(), OperationStatus::in_progress) << "finished before the kill";
+  EXPECT_EQ(read.method(), "cma");
+  child.kill(SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(test::ended_with(read, 10s), ErrorCode::PeerLost);
+  const auto took = std::chrono::steady_clock::now() - start;
+  // peer_timeout (2 s) bounds it, and some slack for a loaded machine.
+  EXPECT_LT(took, 3500ms) << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                          << " ms";
+  ASSERT_TRUE(read.error());
+  EXPECT_NE(read.error()->message().find("doomed-owner"), std::string::npos)
+      << read.error()->message();
+}
+
+// ---------------------------------------------------------------------------------------
+// What this host offers
+
+TEST(CmaProbe, OfferedAboveTcpAndConnectorsAgree) {
+  SKIP_WITHOUT_CMA();
+  const auto probed = probe_methods(options("probe"));
+  ASSERT_GE(probed.size(), 2u);
+  EXPECT_EQ(probed[0].method, "cma");
+  EXPECT_EQ(probed[0].rank, 200);
+  EXPECT_TRUE(probed[0].available) << probed[0].detail;
+  EXPECT_EQ(probed[1].method, "tcp");
+  EXPECT_EQ(probed[1].rank, 100);
+  EXPECT_TRUE(probed[1].available) << probed[1].detail;
+
+  Connector c(options("methods"));
+  const auto methods = c.methods();
+  ASSERT_EQ(methods.size(), probed.size());
+  for (std::size_t i = 0; i < methods.size(); ++i) {
+    EXPECT_EQ(methods[i].method, probed[i].method);
+    EXPECT_EQ(methods[i].rank, probed[i].rank);
+    EXPECT_EQ(methods[i].available, probed[i].available) << methods[i].method;
+  }
+  std::vector<std::string> served;
+  for (const Endpoint& e : c.endpoints()) served.push_back(e.method);
+  EXPECT_EQ(served, (std::vector<std::string>{"cma", "tcp"}));
+}
+
+TEST(CmaProbe, TransportsTcpLeavesCmaOut) {
+  for (const auto& methods :
+       {probe_methods(options("probe", {"tcp"})), Connector(options("c", {"tcp"})).methods()}) {
+    bool seen = false;
+    for (const MethodInfo& m : methods) {
+      if (m.method == "tcp") {
+        EXPECT_TRUE(m.available);
+      }
+      if (m.method != "cma") continue;
+      seen = true;
+      EXPECT_FALSE(m.available);
+      EXPECT_NE(m.detail.find("left out"), std::string::npos) << m.detail;
+    }
+    EXPECT_TRUE(seen) << "cma is not listed";
+  }
+}
+
+}  // namespace
+}  // namespace ferry
