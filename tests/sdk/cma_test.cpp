@@ -1,8 +1,9 @@
 // The same-host method (cma) through the SDK: chosen between processes of this host and moving
 // scatter/gather lists both ways; tcp when either side leaves cma out; falling back to tcp when
 // process_vm_* is refused (a peer in a user namespace of its own, or a refusal injected by
-// tests/support/faulty_transport.hpp) and remembering that per peer; a cancelled operation's
-// memory never touched by a late copy; an owner killed mid-read; what probe_methods says.
+// tests/support/faulty_transport.hpp) and remembering that per peer; a refusal after the claim;
+// more pieces than one system call takes; a cancelled operation's memory never touched by a
+// late copy; an owner killed mid-read; what probe_methods says.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -434,6 +435,137 @@ TEST(CmaRefused, TheBuiltInMethodIsBackOnceTheDecoratorGoes) {
   EXPECT_EQ(read.method(), "cma");
   EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 9), -1);
 }
+
+// ---------------------------------------------------------------------------------------
+// Refused after the claim: the owner granted the claim, then the kernel refuses the copy jobs
+// (the child's pool threads get EPERM from process_vm_*; its loop thread does not, so the probe
+// before the claim passes). Once an operation is claimed by cma its owner serves it by cma
+// alone, so another method cannot take over. The contract of on_transfer_setup_failed ("before
+// any byte was touched: another method may still work") then allows two outcomes: the bytes
+// arrive by another method, or the transfer fails as itself -- both sides errored with the
+// same code, the active side saying that the copy was refused -- and not as a set-up failure
+// whose fallback finds the operation gone. The next transfer toward the same owner then falls
+// back at set-up.
+
+class CmaRefusedAfterClaim : public ::testing::TestWithParam<Side> {};
+
+TEST_P(CmaRefusedAfterClaim, FallsBackOrFailsAsItself) {
+  SKIP_WITHOUT_CMA();
+  const bool reading = GetParam() == Side::OurReadable;
+  Connector us(options("parent"));
+  ChildProcess child = child_with("refused-child", "tcp,cma");
+  child.send_line(std::string("refuse_pool ") +
+                  (reading ? "process_vm_readv" : "process_vm_writev"));
+  const std::string answer = child.read_line();
+  if (answer.rfind("REFUSING ", 0) != 0) GTEST_SKIP() << "cannot refuse the call: " << answer;
+  // Above inline_max, so that the copies run on the pool.
+  constexpr std::size_t kSize = 4 * kMiB + 5;
+  constexpr std::uint64_t kSeed = 31;
+  Scattered ours(passive_cut(kSize, 1), reading ? kSeed : 0);
+  Operation passive;
+  std::string command;
+  if (reading) {
+    auto readable = us.create_readable(ours.descriptors());
+    command = "read_sg " + std::to_string(kSeed) + " " + test::cut_text(active_cut(kSize, 1)) +
+              " " + readable.metadata().to_json();
+    passive = std::move(readable);
+  } else {
+    auto writable = us.create_writable(ours.descriptors());
+    command = "write_sg " + std::to_string(kSeed) + " " + test::cut_text(active_cut(kSize, 1)) +
+              " " + writable.metadata().to_json();
+    passive = std::move(writable);
+  }
+  child.send_line(command);
+  const std::string done = child.read_line(kWait);
+  const auto [active_method, unused] = child_methods(child);
+  if (done == "DONE complete") {
+    EXPECT_EQ(active_method, "tcp");
+    ASSERT_TRUE(passive.wait_for_completion(kWait));
+    EXPECT_EQ(passive.method(), "tcp");
+    EXPECT_EQ(ours.mismatch(kSeed), -1);
+  } else {
+    // "DONE errored <Code> <message>"
+    std::istringstream in(done);
+    std::string word, status, code;
+    in >> word >> status >> code;
+    EXPECT_EQ(status, "errored") << done;
+    EXPECT_NE(done.find("EPERM"), std::string::npos)
+        << "the active side's error is not the refused copy: " << done;
+    EXPECT_EQ(active_method, "cma") << "fell back, yet failed: " << done;
+    const ErrorCode passive_code = test::ended_with(passive, 10s);
+    EXPECT_EQ(std::string(to_string(passive_code)), code)
+        << "the two sides disagree; the owner says: "
+        << (passive.error() ? passive.error()->what() : std::string("nothing"))
+        << "; the child says: " << done;
+  }
+  // Either way the next transfer toward us does not try cma again: it falls back at set-up.
+  exchange(us, child, GetParam(), kSize, 2, "tcp");
+  quit(child);
+}
+
+INSTANTIATE_TEST_SUITE_P(ChildActs, CmaRefusedAfterClaim,
+                         ::testing::Values(Side::OurReadable, Side::OurWritable), side_param);
+
+// ---------------------------------------------------------------------------------------
+// Many pieces: process_vm_* takes at most IOV_MAX (1024) pieces a call (EINVAL beyond). The
+// pool's copy jobs stop at IOV_MAX pieces; a transfer of at most inline_max bytes is copied on
+// the loop in one job of all its pieces, which must be split into calls just the same.
+
+struct ManyPieces {
+  bool read = true;           ///< a read (else a write)
+  bool active_pieces = true;  ///< the active side is in many pieces (else the passive one)
+  std::size_t inline_max = CmaOptions{}.inline_max;
+};
+
+void PrintTo(const ManyPieces& p, std::ostream* os) {
+  *os << (p.read ? "read" : "write") << ", pieces on the "
+      << (p.active_pieces ? "active" : "passive") << " side, inline_max " << p.inline_max;
+}
+
+class CmaManyPieces : public ::testing::TestWithParam<ManyPieces> {};
+
+TEST_P(CmaManyPieces, MoreThanIovMaxPiecesArrive) {
+  SKIP_WITHOUT_CMA();
+  const ManyPieces p = GetParam();
+  // 1500 pieces of 32 bytes: 48000 bytes, below the default inline_max (64 KiB).
+  const std::vector<std::size_t> many(1500, 32);
+  const std::vector<std::size_t> one = {1500 * 32};
+  ConnectorOptions active_options = options("active");
+  active_options.cma.inline_max = p.inline_max;
+  Connector owner(options("owner"));
+  Connector active(active_options);
+  Scattered passive_mem(p.active_pieces ? one : many, p.read ? 21 : 0);
+  Scattered active_mem(p.active_pieces ? many : one, p.read ? 0 : 21);
+  Operation passive_op;
+  Operation active_op;
+  if (p.read) {
+    auto readable = owner.create_readable(passive_mem.descriptors());
+    active_op = active.begin_read(readable.metadata(), active_mem.descriptors());
+    passive_op = std::move(readable);
+  } else {
+    auto writable = owner.create_writable(passive_mem.descriptors());
+    active_op = active.begin_write(active_mem.descriptors(), writable.metadata());
+    passive_op = std::move(writable);
+  }
+  try {
+    EXPECT_TRUE(active_op.wait_for_completion(kWait));
+  } catch (const Error& e) {
+    ADD_FAILURE() << "the " << (p.read ? "read" : "write") << " failed: " << e.what();
+  }
+  EXPECT_EQ(active_op.method(), "cma");
+  EXPECT_EQ((p.read ? active_mem : passive_mem).mismatch(21), -1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CmaManyPieces,
+                         ::testing::Values(ManyPieces{true, true}, ManyPieces{true, false},
+                                           ManyPieces{false, true}, ManyPieces{false, false},
+                                           ManyPieces{true, true, 0}, ManyPieces{false, false, 0}),
+                         [](const ::testing::TestParamInfo<ManyPieces>& i) {
+                           const ManyPieces& p = i.param;
+                           return std::string(p.read ? "Read" : "Write") +
+                                  (p.active_pieces ? "IntoActivePieces" : "OfPassivePieces") +
+                                  (p.inline_max == 0 ? "OnThePool" : "Inline");
+                         });
 
 // ---------------------------------------------------------------------------------------
 // Cancelled operations: no copy lands after cancel() has returned
