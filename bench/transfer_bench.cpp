@@ -5,9 +5,13 @@
 //                          destination; one connection, reused
 //   Memcpy                 one copy of SIZE bytes
 //   FerryRead / FerryWrite a whole operation each iteration: create the passive side, begin
-//                          the active side, wait for both to complete
+//                          the active side, wait for both to complete; once per method, both
+//                          connectors restricted to it: FerryRead/tcp/SIZE, FerryRead/cma/SIZE
+//                          (cma between two connectors of one process: the same system calls
+//                          as between two processes)
 //
 //   build/bench/ferry_transfer_bench --benchmark_counters_tabular=true
+//   build/bench/ferry_transfer_bench --benchmark_filter='Ferry|Memcpy'   (see README.md)
 #include <benchmark/benchmark.h>
 
 #include <arpa/inet.h>
@@ -17,7 +21,9 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -26,7 +32,7 @@
 namespace {
 
 void add_sizes(benchmark::internal::Benchmark* b) {
-  for (long size : {64L, 4096L, 1L << 20, 16L << 20, 64L << 20}) b->Arg(size);
+  for (long size : {64L, 4096L, 1L << 20, 16L << 20, 64L << 20, 256L << 20}) b->Arg(size);
   b->UseRealTime();
 }
 
@@ -102,10 +108,29 @@ void Memcpy(benchmark::State& state) {
   set_bytes(state);
 }
 
-void FerryRead(benchmark::State& state) {
+/// Connector options that offer `method` alone; empty when this host cannot offer it (the
+/// benchmark is then skipped with `why`).
+std::optional<ferry::ConnectorOptions> only(const std::string& method, std::string& why) {
+  ferry::ConnectorOptions o;
+  o.transports = {method};
+  for (const ferry::MethodInfo& m : ferry::probe_methods(o))
+    if (m.method == method && !m.available) {
+      why = method + " is not offered here: " + m.detail;
+      return std::nullopt;
+    }
+  return o;
+}
+
+void FerryRead(benchmark::State& state, const std::string& method) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  ferry::Connector owner;
-  ferry::Connector peer;
+  std::string why;
+  auto options = only(method, why);
+  if (!options) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  ferry::Connector owner(*options);
+  ferry::Connector peer(*options);
   std::vector<std::byte> src(size, std::byte{1});
   std::vector<std::byte> dst(size);
   for (auto _ : state) {
@@ -113,14 +138,24 @@ void FerryRead(benchmark::State& state) {
     auto read = peer.begin_read(readable.metadata(), {ferry::Descriptor(dst.data(), size)});
     read.wait_for_completion();
     readable.wait_for_completion();
+    if (read.method() != method) {
+      state.SkipWithError(("moved by " + read.method()).c_str());
+      break;
+    }
   }
   set_bytes(state);
 }
 
-void FerryWrite(benchmark::State& state) {
+void FerryWrite(benchmark::State& state, const std::string& method) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  ferry::Connector owner;
-  ferry::Connector peer;
+  std::string why;
+  auto options = only(method, why);
+  if (!options) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  ferry::Connector owner(*options);
+  ferry::Connector peer(*options);
   std::vector<std::byte> src(size, std::byte{1});
   std::vector<std::byte> dst(size);
   for (auto _ : state) {
@@ -128,14 +163,20 @@ void FerryWrite(benchmark::State& state) {
     auto write = peer.begin_write({ferry::Descriptor(src.data(), size)}, writable.metadata());
     write.wait_for_completion();
     writable.wait_for_completion();
+    if (write.method() != method) {
+      state.SkipWithError(("moved by " + write.method()).c_str());
+      break;
+    }
   }
   set_bytes(state);
 }
 
 BENCHMARK(RawTcpRequestResponse)->Apply(add_sizes);
 BENCHMARK(Memcpy)->Apply(add_sizes);
-BENCHMARK(FerryRead)->Apply(add_sizes);
-BENCHMARK(FerryWrite)->Apply(add_sizes);
+BENCHMARK_CAPTURE(FerryRead, tcp, std::string("tcp"))->Apply(add_sizes);
+BENCHMARK_CAPTURE(FerryRead, cma, std::string("cma"))->Apply(add_sizes);
+BENCHMARK_CAPTURE(FerryWrite, tcp, std::string("tcp"))->Apply(add_sizes);
+BENCHMARK_CAPTURE(FerryWrite, cma, std::string("cma"))->Apply(add_sizes);
 
 }  // namespace
 
