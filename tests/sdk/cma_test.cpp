@@ -2,18 +2,22 @@
 // scatter/gather lists both ways; tcp when either side leaves cma out; falling back to tcp when
 // process_vm_* is refused (a peer in a user namespace of its own, or a refusal injected by
 // tests/support/faulty_transport.hpp) and remembering that per peer; a refusal after the claim;
-// more pieces than one system call takes; a cancelled operation's memory never touched by a
-// late copy; an owner killed mid-read; what probe_methods says.
+// more pieces than one system call takes; an owner that breaks the protocol; a cancelled
+// operation's memory never touched by a late copy; an owner killed mid-read; what
+// probe_methods says.
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -30,6 +34,7 @@
 #include "tests/support/child_process.hpp"
 #include "tests/support/faulty_transport.hpp"
 #include "tests/support/patterns.hpp"
+#include "tests/support/raw_peer.hpp"
 #include "tests/support/scattered.hpp"
 #include "tests/support/util.hpp"
 
@@ -566,6 +571,109 @@ INSTANTIATE_TEST_SUITE_P(Cases, CmaManyPieces,
                                   (p.active_pieces ? "IntoActivePieces" : "OfPassivePieces") +
                                   (p.inline_max == 0 ? "OnThePool" : "Inline");
                          });
+
+// ---------------------------------------------------------------------------------------
+// An owner that breaks the protocol: the reader's connection to it closes after the notice.
+// A transfer begun toward that owner meanwhile opens a second connection (the first takes no
+// new requests); when the first closes, the transfer that was on it must still end.
+
+/// A fake cma owner on an abstract Unix socket, in this process: it answers by hand. Reads and
+/// accepts are bounded by socket timeouts.
+class FakeCmaOwner {
+ public:
+  FakeCmaOwner() {
+    address_ = "@ferry-cma-fake-" + std::to_string(::getpid());
+    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    std::memcpy(sa.sun_path + 1, address_.data() + 1, address_.size() - 1);
+    const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address_.size());
+    ok_ = fd_ >= 0 && ::bind(fd_, reinterpret_cast<sockaddr*>(&sa), len) == 0 &&
+          ::listen(fd_, 4) == 0;
+    timeval tv{};
+    tv.tv_sec = test::kSocketTimeoutSeconds;
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  }
+  ~FakeCmaOwner() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  bool ok() const noexcept { return ok_; }
+  const std::string& address() const noexcept { return address_; }
+
+  /// Accepts a reader's connection, trades HELLOs and reads its CLAIM; null on failure.
+  std::unique_ptr<test::RawClient> accept_claim(test::Frame& claim) {
+    const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return nullptr;
+    auto c = std::make_unique<test::RawClient>(test::RawClient::Adopt{}, fd);
+    auto hello = c->read_any_frame();
+    if (!hello || hello->header.type != test::FrameType::hello) return nullptr;
+    test::FrameHeader h;
+    h.type = test::FrameType::hello;
+    if (!c->send_frame(h, "fake-owner")) return nullptr;
+    auto f = c->read_any_frame();
+    if (!f || f->header.type != test::FrameType::claim) return nullptr;
+    claim = *f;
+    return c;
+  }
+
+ private:
+  std::string address_;
+  int fd_ = -1;
+  bool ok_ = false;
+};
+
+TEST(CmaBrokenOwner, ATransferOnAConnectionReplacedWhileClosingStillEnds) {
+  SKIP_WITHOUT_CMA();
+  FakeCmaOwner fake;
+  ASSERT_TRUE(fake.ok()) << std::strerror(errno);
+  // The real owner's metadata, its cma endpoint alone, pointing at the fake: the reader's
+  // checks of the owner's process (its pid, probe and grant table are this process's) pass.
+  Connector owner(options("owner"));
+  Connector reader(options("reader"));
+  auto src = test::patterned(4096, 3);
+  auto readable = owner.create_readable(src);
+  RdmaMetadata meta = readable.metadata();
+  std::erase_if(meta.endpoints, [](const Endpoint& e) { return e.method != "cma"; });
+  ASSERT_EQ(meta.endpoints.size(), 1u);
+  meta.endpoints[0].address = fake.address();
+
+  // First read: the fake grants a slot outside its table, a protocol error; the reader sends
+  // its notice and waits for the fake to close.
+  auto dst1 = test::buffer(4096);
+  auto read1 = reader.begin_read(meta, dst1);
+  test::Frame claim1;
+  auto conn1 = fake.accept_claim(claim1);
+  ASSERT_TRUE(conn1) << "no CLAIM on the first connection";
+  test::FrameHeader bad;
+  bad.type = test::FrameType::claimed;
+  bad.req_id = claim1.header.req_id;
+  bad.op_id = claim1.header.op_id;
+  bad.addr = 0xffffffffu;
+  bad.len = 1;
+  ASSERT_TRUE(conn1->send_frame(bad));
+  auto notice = conn1->read_any_frame();
+  ASSERT_TRUE(notice && notice->header.type == test::FrameType::status &&
+              notice->header.status == test::wire(ErrorCode::ProtocolError))
+      << "no ProtocolError notice";
+
+  // Second read toward the same owner, meanwhile: a new connection; the fake refuses it.
+  auto dst2 = test::buffer(4096);
+  auto read2 = reader.begin_read(meta, dst2);
+  test::Frame claim2;
+  auto conn2 = fake.accept_claim(claim2);
+  ASSERT_TRUE(conn2) << "no CLAIM on a second connection";
+  test::FrameHeader no;
+  no.type = test::FrameType::status;
+  no.req_id = claim2.header.req_id;
+  no.status = test::wire(ErrorCode::AccessDenied);
+  ASSERT_TRUE(conn2->send_frame(no, "refused by the fake owner"));
+  EXPECT_EQ(test::ended_with(read2, 5s), ErrorCode::AccessDenied);
+
+  // Now the fake closes the first connection: the first read must end.
+  conn1->close();
+  const ErrorCode code = test::ended_with(read1, 5s);
+  EXPECT_TRUE(code == ErrorCode::ProtocolError || code == ErrorCode::PeerLost) << to_string(code);
+}
 
 // ---------------------------------------------------------------------------------------
 // Cancelled operations: no copy lands after cancel() has returned
