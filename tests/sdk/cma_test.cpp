@@ -683,7 +683,8 @@ constexpr std::byte kSentinel{0xee};
 
 /// Waits until the first 64 KiB of `src` are in `dst`: the copy is under way.
 bool landed(const std::byte* dst, const std::byte* src) {
-  return eventually([&] { return std::memcmp(dst, src, 64 << 10) == 0; }, 30s);
+  return eventually(
+      [&] { return std::memcmp(test::peek(dst, 64 << 10).data(), src, 64 << 10) == 0; }, 30s);
 }
 
 /// The offset of the first byte of `mem` that is not `value`, or -1.
@@ -799,7 +800,11 @@ TEST(CmaPeerKilled, OwnerKilledMidReadErrorsTheReadWithPeerLost) {
   auto meta = RdmaMetadata::from_json(expect_prefix(child.read_line(60s), "META "));
   auto dst = std::make_unique<std::byte[]>(kBig);
   auto read = us.begin_read(meta, {Descriptor(dst.get(), kBig)});
-  ASSERT_TRUE(eventually([&] { return test::first_mismatch(dst.get(), 64 << 10, 77) < 0; }, 30s))
+  ASSERT_TRUE(eventually(
+      [&] {
+        return test::first_mismatch(test::peek(dst.get(), 64 << 10).data(), 64 << 10, 77) < 0;
+      },
+      30s))
       << "no byte arrived";
   ASSERT_EQ(read.status(), OperationStatus::in_progress) << "finished before the kill";
   EXPECT_EQ(read.method(), "cma");

@@ -1,5 +1,19 @@
 #include "tests/support/patterns.hpp"
 
+#if defined(__SANITIZE_THREAD__)
+#define FERRY_TEST_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define FERRY_TEST_TSAN 1
+#endif
+#endif
+
+#ifdef FERRY_TEST_TSAN
+// ThreadSanitizer's dynamic annotations (its runtime defines them).
+extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
+#endif
+
 namespace ferry::test {
 
 namespace {
@@ -38,6 +52,19 @@ std::vector<std::byte> patterned(std::size_t size, std::uint64_t seed) {
   std::vector<std::byte> v(size);
   fill_pattern(v.data(), size, seed);
   return v;
+}
+
+std::vector<std::byte> peek(const std::byte* data, std::size_t size) {
+  std::vector<std::byte> out(size);
+#ifdef FERRY_TEST_TSAN
+  AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+#endif
+  const volatile std::byte* from = data;
+  for (std::size_t i = 0; i < size; ++i) out[i] = from[i];
+#ifdef FERRY_TEST_TSAN
+  AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+#endif
+  return out;
 }
 
 }  // namespace ferry::test

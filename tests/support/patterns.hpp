@@ -14,6 +14,12 @@ void fill_pattern(std::byte* data, std::size_t size, std::uint64_t seed, std::ui
 long long first_mismatch(const std::byte* data, std::size_t size, std::uint64_t seed,
                          std::uint64_t offset = 0);
 
+/// A copy of `size` bytes at `data` that a transfer may be writing at this very moment, on
+/// another thread (a cma copy job): for tests that watch a transfer's progress. The copy may
+/// be stale or torn, which such a test tolerates; ThreadSanitizer is told to ignore these
+/// reads, and only these.
+std::vector<std::byte> peek(const std::byte* data, std::size_t size);
+
 /// A zero-initialized buffer.
 std::vector<std::byte> buffer(std::size_t size);
 std::vector<std::byte> patterned(std::size_t size, std::uint64_t seed);

@@ -636,9 +636,11 @@ constexpr std::uint64_t kSlowChunk = 4096;
 constexpr std::size_t kMid = 1u << 20;
 constexpr std::byte kPoison{0x5A};
 
-/// Whether the 64 bytes at stream offset `at` hold the pattern `seed`.
+/// Whether the 64 bytes at stream offset `at` hold the pattern `seed` (while a transfer may
+/// still be writing them: cma copies on other threads).
 bool landed(const std::byte* data, std::size_t at, std::uint64_t seed) {
-  return test::first_mismatch(data + at, 64, seed, at) == -1;
+  const std::vector<std::byte> seen = test::peek(data + at, 64);
+  return test::first_mismatch(seen.data(), 64, seed, at) == -1;
 }
 
 bool all_are(const std::byte* data, std::size_t size, std::byte value) {
