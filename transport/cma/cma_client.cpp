@@ -71,12 +71,12 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
     throw Error(ErrorCode::InvalidMetadata,
                 "cma endpoint '" + spec.endpoint.address + "' is not an abstract socket name",
                 "endpoints");
-  parse_info(spec.endpoint.info);  // throws InvalidMetadata
+  const OwnerInfo info = parse_info(spec.endpoint.info);  // throws InvalidMetadata
   auto t = std::make_unique<CmaTransfer>(*this, next_transfer_++, std::move(spec), observer);
   transfers_[t->id] = t.get();
   std::string error;
   bool setup_refused = false;
-  t->link = link_to(t->spec, error, setup_refused);
+  t->link = link_to(t->spec, info, error, setup_refused);
   if (!t->link) {
     finish_transfer(*t, Error(setup_refused ? ErrorCode::Unsupported : ErrorCode::PeerLost, error),
                     /*setup=*/true);
@@ -96,8 +96,8 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
   return t;
 }
 
-std::shared_ptr<PeerLink> CmaTransport::link_to(const TransferSpec& spec, std::string& error,
-                                                bool& refused) {
+std::shared_ptr<PeerLink> CmaTransport::link_to(const TransferSpec& spec, const OwnerInfo& info,
+                                                std::string& error, bool& refused) {
   if (auto it = links_.find(spec.endpoint.address);
       it != links_.end() && it->second->conn != nullptr && it->second->conn->usable()) {
     if (it->second->refused.empty()) return it->second;
@@ -105,13 +105,11 @@ std::shared_ptr<PeerLink> CmaTransport::link_to(const TransferSpec& spec, std::s
     error = "cma: " + it->second->refused;
     return nullptr;
   }
-  const OwnerInfo info = parse_info(spec.endpoint.info);
   const std::string who =
       "peer '" + spec.peer_name + "' (pid " + std::to_string(info.scope.pid) + ")";
   refused = true;
-  const ProcessScope self = this_process();
-  if (info.scope.boot_id != self.boot_id || info.scope.pid_ns != self.pid_ns) {
-    error = "cma: " + who + " runs on another host or in another PID namespace";
+  if (const std::string why = scope_mismatch(info.scope); !why.empty()) {
+    error = "cma: " + who + ": " + why;
     return nullptr;
   }
   auto link = std::make_shared<PeerLink>();
@@ -291,14 +289,10 @@ void CmaTransport::job_done(Job& job) {
   if (job.refused) {
     // The owner ended the operation. Its notice, which says why, is on its way (revoke()
     // sends it): wait for it, or for the connection to fail, no longer than the watchdog.
-    if (!t.ended_by_owner && t.link->conn != nullptr) {
+    // (A transfer whose connection closed was finished then: the connection is here.)
+    if (!t.ended_by_owner) {
       t.ended_by_owner = true;
       t.link->conn->expect_answers(+1);
-    }
-    if (t.jobs == 0 && t.link->conn == nullptr) {
-      const ErrorCode code = t.link->grants->ended_with(t.grant);
-      finish_transfer(t, Error(code, "peer '" + t.spec.peer_name + "' ended the operation (" +
-                                         std::string(to_string(code)) + ")"));
     }
     return;
   }

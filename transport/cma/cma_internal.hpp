@@ -33,6 +33,9 @@ struct OwnerInfo {
 std::string to_info(const OwnerInfo& info);
 /// Throws Error(InvalidMetadata) naming what is wrong.
 OwnerInfo parse_info(const std::string& info);
+/// Why a process of `owner`'s scope cannot be reached by cma from this one (another boot, or
+/// another PID namespace), or empty.
+std::string scope_mismatch(const ProcessScope& owner);
 /// Parses "@name" into an abstract Unix socket address; false if malformed.
 bool socket_address(const std::string& address, sockaddr_un& out, socklen_t& len);
 

@@ -19,7 +19,7 @@ std::string CmaTransport::expose(const Exposure& exposure, ExposureObserver& obs
 
 void CmaTransport::revoke(std::uint64_t id, const Error& reason) {
   const std::uint64_t conn_id = exposures_.revoke(id);
-  if (tcp::Connection* conn = end_claim(conn_id, id, reason.code())) {
+  if (tcp::Connection* conn = end_claim(conn_id, id)) {
     // The claimant learns why at once (its next copy job is refused in any case).
     tcp::FrameHeader h;
     h.type = tcp::FrameType::status;
@@ -29,14 +29,16 @@ void CmaTransport::revoke(std::uint64_t id, const Error& reason) {
   }
 }
 
-tcp::Connection* CmaTransport::end_claim(std::uint64_t conn_id, std::uint64_t id, ErrorCode why) {
+bool CmaTransport::close_grant(const Claimed& claim) {
+  return grants_.close(claim.grant, std::chrono::steady_clock::now() + options_.peer_timeout,
+                       [this, c = claim.conn] { return peer_idle(c); });
+}
+
+tcp::Connection* CmaTransport::end_claim(std::uint64_t conn_id, std::uint64_t id) {
   if (auto it = claimed_.find(id); it != claimed_.end()) {
     // cancel()'s promise: once this returns, no copy of the peer touches the memory. Copy jobs
     // last a chunk; a peer that outlives peer_timeout holding the grant is reported.
-    const bool drained = grants_.close(it->second.grant, why,
-                                       std::chrono::steady_clock::now() + options_.peer_timeout,
-                                       [this, c = it->second.conn] { return peer_idle(c); });
-    if (!drained)
+    if (!close_grant(it->second))
       std::fprintf(stderr,
                    "ferry: cma: a peer still held a copy grant on operation %016llx %lld ms after "
                    "it ended; its memory may still be touched by that copy\n",
@@ -50,8 +52,7 @@ tcp::Connection* CmaTransport::end_claim(std::uint64_t conn_id, std::uint64_t id
 }
 
 void CmaTransport::finish_exposure(std::uint64_t id, std::optional<Error> peer_error) {
-  const ErrorCode why = peer_error ? peer_error->code() : ErrorCode::Cancelled;
-  end_claim(exposures_.finish(id, std::move(peer_error)), id, why);
+  end_claim(exposures_.finish(id, std::move(peer_error)), id);
 }
 
 void CmaTransport::reply_status(tcp::Connection& conn, std::uint64_t req, ErrorCode code,
@@ -141,7 +142,7 @@ void CmaTransport::serve_claim(tcp::Connection& conn, const tcp::FrameHeader& h)
   auto secret =
       exposures_.claim(*entry, conn.id(), conn.peer_name(), conn.describe_peer(), conn.peer_id());
   if (!secret) {
-    grants_.close(*grant, ErrorCode::AccessDenied, std::chrono::steady_clock::now(), {});
+    grants_.close(*grant, std::chrono::steady_clock::now(), {});
     reply_status(conn, h.req_id, ErrorCode::AccessDenied, "the operation is claimed already");
     return;
   }

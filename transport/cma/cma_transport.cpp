@@ -138,9 +138,13 @@ std::string CmaTransport::unreachable(const Endpoint& endpoint) const {
   } catch (const Error& e) {
     return e.message();
   }
+  return scope_mismatch(info.scope);
+}
+
+std::string scope_mismatch(const ProcessScope& owner) {
   const ProcessScope self = this_process();
-  if (info.scope.boot_id != self.boot_id) return "the peer runs on another host (boot id differs)";
-  if (info.scope.pid_ns != self.pid_ns) return "the peer runs in another PID namespace";
+  if (owner.boot_id != self.boot_id) return "the peer runs on another host (boot id differs)";
+  if (owner.pid_ns != self.pid_ns) return "the peer runs in another PID namespace";
   return {};
 }
 
@@ -163,10 +167,7 @@ void CmaTransport::close() {
   pending_.clear();
   // Peers may still copy under grants of exposures never revoked; the memory is the owner's
   // to keep until they are done (revoke() waits for that; here only as long as peer_timeout).
-  for (auto& [id, c] : claimed_)
-    grants_.close(c.grant, ErrorCode::Cancelled,
-                  std::chrono::steady_clock::now() + options_.peer_timeout,
-                  [this, conn = c.conn] { return peer_idle(conn); });
+  for (auto& [id, c] : claimed_) close_grant(c);
   claimed_.clear();
   exposures_.clear();
   links_.clear();
@@ -297,9 +298,7 @@ void CmaTransport::on_closed(tcp::Connection& conn, const std::string& reason) {
         ++it;
         continue;
       }
-      grants_.close(it->second.grant, ErrorCode::PeerLost,
-                    std::chrono::steady_clock::now() + options_.peer_timeout,
-                    [this, id = conn.id()] { return peer_idle(id); });
+      close_grant(it->second);
       it = claimed_.erase(it);
     }
     exposures_.lose_connection(

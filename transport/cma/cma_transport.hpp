@@ -20,6 +20,7 @@ namespace ferry::transport::cma {
 
 class CmaTransfer;
 struct PeerLink;
+struct OwnerInfo;
 
 /// The same-host method: the active side copies straight between the two address spaces with
 /// process_vm_readv / process_vm_writev, on libuv's thread pool, one copy job per chunk, each
@@ -96,7 +97,10 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   void serve_done(tcp::Connection& conn, const tcp::FrameHeader& h, const std::string& message);
   /// Ends the claim of exposure `id` (if any): its grant closes, waiting for copies under way;
   /// the connection stops waiting for the peer on its account. Returns the connection.
-  tcp::Connection* end_claim(std::uint64_t conn_id, std::uint64_t id, ErrorCode why);
+  tcp::Connection* end_claim(std::uint64_t conn_id, std::uint64_t id);
+  /// Closes `claim`'s grant, waiting at most peer_timeout for its peer's copies; false when
+  /// they outlived it.
+  bool close_grant(const Claimed& claim);
   void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
   void reply_status(tcp::Connection& conn, std::uint64_t req, ErrorCode code,
                     const std::string& msg);
@@ -106,7 +110,8 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   // Client side (cma_client.cpp).
   tcp::Connection::Sink client_frame(tcp::Connection& conn, const tcp::FrameHeader& h,
                                      std::string message);
-  std::shared_ptr<PeerLink> link_to(const TransferSpec& spec, std::string& error, bool& setup);
+  std::shared_ptr<PeerLink> link_to(const TransferSpec& spec, const OwnerInfo& info,
+                                    std::string& error, bool& setup);
   void send_claim(CmaTransfer& t);
   void pump(CmaTransfer& t);
   void copy_inline(CmaTransfer& t);

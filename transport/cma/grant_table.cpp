@@ -66,9 +66,9 @@ GrantTable::~GrantTable() {
   ::close(fd_);
 }
 
-std::atomic_ref<std::uint64_t> GrantTable::word(std::uint32_t slot, int which) const noexcept {
+std::atomic_ref<std::uint64_t> GrantTable::word(std::uint32_t slot) const noexcept {
   return std::atomic_ref<std::uint64_t>(
-      *reinterpret_cast<std::uint64_t*>(base_ + std::size_t{slot} * kSlotBytes + which * 8));
+      *reinterpret_cast<std::uint64_t*>(base_ + std::size_t{slot} * kSlotBytes));
 }
 
 std::optional<Grant> GrantTable::open() {
@@ -84,16 +84,14 @@ std::optional<Grant> GrantTable::open() {
   }
   if (next_generation_ == 0) next_generation_ = 1;
   const std::uint32_t generation = next_generation_++;
-  word(slot, 1).store(0, std::memory_order_relaxed);
-  word(slot, 0).store(std::uint64_t{generation} << 32, std::memory_order_release);
+  word(slot).store(std::uint64_t{generation} << 32, std::memory_order_release);
   return Grant{slot, generation};
 }
 
-bool GrantTable::close(Grant grant, ErrorCode why, std::chrono::steady_clock::time_point deadline,
+bool GrantTable::close(Grant grant, std::chrono::steady_clock::time_point deadline,
                        const std::function<bool()>& peer_idle) {
-  auto w = word(grant.slot, 0);
+  auto w = word(grant.slot);
   if (generation_of(w.load(std::memory_order_acquire)) != grant.generation) return true;
-  word(grant.slot, 1).store(static_cast<std::uint64_t>(why), std::memory_order_relaxed);
   std::uint64_t cur = w.fetch_or(kEnded, std::memory_order_acq_rel) | kEnded;
   std::uint32_t* futex = low_half(base_ + std::size_t{grant.slot} * kSlotBytes);
   while ((cur & kCopies) != 0) {
@@ -116,7 +114,7 @@ bool GrantTable::close(Grant grant, ErrorCode why, std::chrono::steady_clock::ti
 }
 
 std::uint32_t GrantTable::in_flight(Grant grant) const noexcept {
-  const std::uint64_t w = word(grant.slot, 0).load(std::memory_order_acquire);
+  const std::uint64_t w = word(grant.slot).load(std::memory_order_acquire);
   if (generation_of(w) != grant.generation) return 0;
   return static_cast<std::uint32_t>(w & kCopies);
 }
@@ -134,9 +132,9 @@ GrantView::GrantView(int fd, std::size_t bytes) : bytes_(bytes) {
 
 GrantView::~GrantView() { ::munmap(base_, bytes_); }
 
-std::atomic_ref<std::uint64_t> GrantView::word(std::uint32_t slot, int which) const noexcept {
+std::atomic_ref<std::uint64_t> GrantView::word(std::uint32_t slot) const noexcept {
   return std::atomic_ref<std::uint64_t>(
-      *reinterpret_cast<std::uint64_t*>(base_ + std::size_t{slot} * kSlotBytes + which * 8));
+      *reinterpret_cast<std::uint64_t*>(base_ + std::size_t{slot} * kSlotBytes));
 }
 
 bool GrantView::holds(Grant grant) const noexcept {
@@ -144,7 +142,7 @@ bool GrantView::holds(Grant grant) const noexcept {
 }
 
 bool GrantView::acquire(Grant grant) const noexcept {
-  auto w = word(grant.slot, 0);
+  auto w = word(grant.slot);
   std::uint64_t cur = w.load(std::memory_order_acquire);
   for (;;) {
     if (generation_of(cur) != grant.generation || (cur & kEnded) != 0) return false;
@@ -157,7 +155,7 @@ bool GrantView::acquire(Grant grant) const noexcept {
 void GrantView::release(Grant grant) const noexcept {
   // Only the grant's own generation: an owner that stopped waiting for this copy (its peer
   // was stopped, see GrantTable::close) may have handed the slot to another grant since.
-  auto w = word(grant.slot, 0);
+  auto w = word(grant.slot);
   std::uint64_t cur = w.load(std::memory_order_acquire);
   do {
     if (generation_of(cur) != grant.generation || (cur & kCopies) == 0) return;
@@ -165,14 +163,6 @@ void GrantView::release(Grant grant) const noexcept {
       !w.compare_exchange_weak(cur, cur - 1, std::memory_order_acq_rel, std::memory_order_acquire));
   if ((cur & kEnded) != 0 && (cur & kCopies) == 1)
     futex_wake(low_half(base_ + std::size_t{grant.slot} * kSlotBytes));
-}
-
-ErrorCode GrantView::ended_with(Grant grant) const noexcept {
-  const std::uint64_t code = word(grant.slot, 1).load(std::memory_order_relaxed);
-  if (code >= static_cast<std::uint64_t>(ErrorCode::InvalidArgument) &&
-      code <= static_cast<std::uint64_t>(ErrorCode::Internal))
-    return static_cast<ErrorCode>(code);
-  return ErrorCode::Cancelled;
 }
 
 }  // namespace ferry::transport::cma

@@ -15,15 +15,14 @@ namespace ferry::transport::cma {
 /// The owner's permission for one peer to copy from or into one passive operation's memory,
 /// kept in shared memory (a memfd the peer maps) so that taking it costs no message:
 ///
-///   slot word 0: bits 63..32 the grant's generation (0: free), bit 31 ended,
-///                bits 30..0 copies under way
-///   slot word 1: the ErrorCode the owner ended it with
+///   a slot, one word: bits 63..32 the grant's generation (0: free), bit 31 ended,
+///                     bits 30..0 copies under way
 ///
 /// A peer takes the grant (compare-and-swap: +1 copy, only while the generation is its own
 /// and the grant has not ended) before every copy job, and gives it back after. The owner ends
 /// a grant by setting the ended bit, then waits (futex) until no copy is under way: once
 /// close() returns, no copy of that peer starts or runs, which is what cancel() promises.
-inline constexpr std::size_t kSlotBytes = 16;
+inline constexpr std::size_t kSlotBytes = 8;
 
 struct Grant {
   std::uint32_t slot = 0;
@@ -48,7 +47,7 @@ class GrantTable {
   /// at most until `deadline`, and no longer once `peer_idle()` says the peer copies nothing
   /// (its process exited, or every thread of it is stopped). Returns false when copies were
   /// still under way at the deadline: the slot is then never reused.
-  bool close(Grant grant, ErrorCode why, std::chrono::steady_clock::time_point deadline,
+  bool close(Grant grant, std::chrono::steady_clock::time_point deadline,
              const std::function<bool()>& peer_idle);
   /// Copies under way under `grant` (for tests).
   std::uint32_t in_flight(Grant grant) const noexcept;
@@ -56,7 +55,7 @@ class GrantTable {
   std::uint32_t quarantined() const noexcept { return quarantined_; }
 
  private:
-  std::atomic_ref<std::uint64_t> word(std::uint32_t slot, int which) const noexcept;
+  std::atomic_ref<std::uint64_t> word(std::uint32_t slot) const noexcept;
 
   int fd_ = -1;
   std::uint32_t slots_;
@@ -84,11 +83,9 @@ class GrantView {
   /// Gives it back after the copy (only to the same generation); wakes an owner waiting in
   /// close().
   void release(Grant grant) const noexcept;
-  /// The code the owner ended the grant with (Cancelled when it says none).
-  ErrorCode ended_with(Grant grant) const noexcept;
 
  private:
-  std::atomic_ref<std::uint64_t> word(std::uint32_t slot, int which) const noexcept;
+  std::atomic_ref<std::uint64_t> word(std::uint32_t slot) const noexcept;
   std::byte* base_ = nullptr;
   std::size_t bytes_ = 0;
 };
