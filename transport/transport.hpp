@@ -94,6 +94,22 @@ inline void report(TransferObserver& observer, const std::optional<Error>& error
     observer.on_transfer_complete();
 }
 
+/// Reports the end of transfer `id` to its observer after the current loop callback (through
+/// `defer`), once: nothing if the transport is gone by then (`life` expired), or the transfer
+/// was forgotten or already reported. `transfers` maps ids to transfers that have an
+/// `observer` and a `notified` flag.
+template <class Defer, class Transfers>
+void report_later(const Defer& defer, std::weak_ptr<int> life, Transfers& transfers,
+                  std::uint64_t id, std::optional<Error> error, bool setup) {
+  defer([life = std::move(life), &transfers, id, error = std::move(error), setup] {
+    if (life.expired()) return;
+    auto it = transfers.find(id);
+    if (it == transfers.end() || it->second->notified) return;
+    it->second->notified = true;
+    report(*it->second->observer, error, setup);
+  });
+}
+
 /// What an active operation asks of a transport.
 struct TransferSpec {
   std::uint64_t remote_id = 0;  ///< the passive operation's id at its owner

@@ -439,15 +439,7 @@ void CmaTransport::finish_transfer(CmaTransfer& t, std::optional<Error> error, b
   erase_pending(t.claim_req);
   erase_pending(t.done_req);
   if (t.link && t.link->conn != nullptr) t.link->conn->release(t.id);
-  const std::uint64_t id = t.id;
-  defer_([this, life = std::weak_ptr<int>(life_), id, error, setup] {
-    if (life.expired()) return;
-    auto it = transfers_.find(id);
-    if (it == transfers_.end() || it->second->notified) return;
-    CmaTransfer& tr = *it->second;
-    tr.notified = true;
-    report(*tr.observer, error, setup);
-  });
+  report_later(defer_, life_, transfers_, t.id, std::move(error), setup);
 }
 
 void CmaTransport::cancel_transfer(CmaTransfer& t, const Error& reason) {

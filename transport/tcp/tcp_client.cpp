@@ -261,15 +261,7 @@ void TcpTransport::finish_transfer(TcpTransfer& t, std::optional<Error> error, b
     t.conn->release(t.id);
     t.conn->drop_sink(t.id);
   }
-  std::uint64_t id = t.id;
-  defer_([this, life = std::weak_ptr<int>(life_), id, error, setup] {
-    if (life.expired()) return;
-    auto it = transfers_.find(id);
-    if (it == transfers_.end() || it->second->notified) return;
-    TcpTransfer& tr = *it->second;
-    tr.notified = true;
-    report(*tr.observer, error, setup);
-  });
+  report_later(defer_, life_, transfers_, t.id, std::move(error), setup);
 }
 
 void TcpTransport::cancel_transfer(TcpTransfer& t, const Error& reason) {
