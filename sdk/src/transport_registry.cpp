@@ -7,6 +7,9 @@
 
 #include "transport/cma/cma_transport.hpp"
 #include "transport/tcp/tcp_transport.hpp"
+#ifdef FERRY_WITH_VERBS
+#include "transport/verbs/verbs_transport.hpp"
+#endif
 
 namespace ferry::detail {
 
@@ -56,6 +59,19 @@ std::unique_ptr<transport::Transport> make_cma(const TransportContext& c, std::s
   return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, std::move(cma));
 }
 
+#ifdef FERRY_WITH_VERBS
+std::string verbs_unavailable(const ConnectorOptions&) {
+  return transport::verbs::VerbsTransport::unavailable(nullptr);
+}
+
+std::unique_ptr<transport::Transport> make_verbs(const TransportContext& c, std::string& why) {
+  const ConnectorOptions& o = *c.options;
+  why = verbs_unavailable(o);
+  if (!why.empty()) return nullptr;
+  return make_verbs_transport(c, transport::verbs::system_verbs());
+}
+#endif
+
 std::mutex added_mu;
 std::vector<TransportFactory>& added() {
   static std::vector<TransportFactory> list;
@@ -64,11 +80,35 @@ std::vector<TransportFactory>& added() {
 
 }  // namespace
 
+#ifdef FERRY_WITH_VERBS
+std::unique_ptr<transport::Transport> make_verbs_transport(const TransportContext& c,
+                                                           const transport::verbs::VerbsApi* api) {
+  const ConnectorOptions& o = *c.options;
+  transport::verbs::VerbsTransport::Options v;
+  v.api = api;
+  v.bind_address = c.bind_address;
+  v.port = o.verbs.port;
+  v.queue_depth = o.verbs.queue_depth;
+  v.signal_every = o.verbs.signal_every;
+  v.max_wr_bytes = o.verbs.max_wr_bytes;
+  v.spin = o.verbs.spin;
+  v.memory_windows = o.verbs.memory_windows;
+  v.peer_timeout = o.peer_timeout;
+  v.local_name = c.identity->name;
+  v.local_id = std::stoull(c.identity->id, nullptr, 16);
+  return std::make_unique<transport::verbs::VerbsTransport>(c.loop, c.defer, std::move(v));
+}
+#endif
+
 std::vector<TransportFactory> transport_factories() {
   std::vector<TransportFactory> out = {
       {"tcp", make_tcp, 100, {}, "a TCP route to the peer's listener"},
       {"cma", make_cma, 200, cma_unavailable,
        "the peer on this host, in this PID namespace, allowed to read this process"},
+#ifdef FERRY_WITH_VERBS
+      {"verbs", make_verbs, 300, verbs_unavailable,
+       "an RDMA device on both hosts with a route between them (rdma_cm)"},
+#endif
   };
   std::lock_guard lock(added_mu);
   for (const auto& f : added()) {
@@ -88,5 +128,12 @@ void remove_transport_factory(const std::string& method) {
   std::lock_guard lock(added_mu);
   std::erase_if(added(), [&](const TransportFactory& f) { return f.method == method; });
 }
+
+#ifndef FERRY_WITH_VERBS
+std::unique_ptr<transport::Transport> make_verbs_transport(const TransportContext&,
+                                                           const transport::verbs::VerbsApi*) {
+  throw Error(ErrorCode::Unsupported, "ferry was built without verbs (FERRY_WITH_VERBS=OFF)");
+}
+#endif
 
 }  // namespace ferry::detail

@@ -12,6 +12,10 @@
 
 struct uv_loop_s;
 
+namespace ferry::transport::verbs {
+struct VerbsApi;
+}
+
 namespace ferry::detail {
 
 /// What a transport is built from: the connector's loop, its settings and identity.
@@ -52,5 +56,10 @@ std::vector<TransportFactory> transport_factories();
 void add_transport_factory(TransportFactory factory);
 /// Removes a method added by add_transport_factory. Any thread.
 void remove_transport_factory(const std::string& method);
+
+/// The verbs transport of a connector, calling `api` (the system's, or a simulated fabric in
+/// tests). Throws Error(Unsupported) where ferry was built without verbs.
+std::unique_ptr<transport::Transport> make_verbs_transport(const TransportContext& context,
+                                                           const transport::verbs::VerbsApi* api);
 
 }  // namespace ferry::detail

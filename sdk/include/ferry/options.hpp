@@ -56,6 +56,27 @@ struct CmaOptions {
   bool ptracer_any = false;
 };
 
+/// The RDMA transport's settings (verbs: one-sided READ and WRITE over RC queue pairs set up by
+/// rdma_cm). It listens on the address TcpOptions::bind_address names (else the NATS socket's
+/// local address), which must be one of an RDMA device's.
+struct VerbsOptions {
+  /// rdma_cm's port; 0: any free port.
+  std::uint16_t port = 0;
+  /// Work requests one connection keeps in its send queue at once.
+  unsigned queue_depth = 128;
+  /// Signal one data work request in this many (and always the last one a turn posts).
+  unsigned signal_every = 16;
+  /// Bytes one RDMA READ or WRITE moves at most (also capped by the port's max_msg_sz).
+  std::size_t max_wr_bytes = 1u << 20;
+  /// After draining the completion queue, keep polling it this long before sleeping on the
+  /// completion channel (0: sleep at once). Lower latency for a core's worth of CPU.
+  std::chrono::microseconds spin{0};
+  /// Memory keys a peer gets die with the operation: through type-2 memory windows bound to
+  /// the claimant's queue pair where every device has them; else (or when false) through
+  /// registrations of the operation's own.
+  bool memory_windows = true;
+};
+
 /// What happened to the NATS side channel's connection.
 enum class SideChannelEvent { disconnected, reconnected, closed, error };
 
@@ -116,6 +137,7 @@ struct ConnectorOptions {
   std::vector<std::string> endpoint_allow;
   TcpOptions tcp;
   CmaOptions cma;
+  VerbsOptions verbs;
   NatsOptions nats;
 };
 

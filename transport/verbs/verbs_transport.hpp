@@ -1,0 +1,206 @@
+#pragma once
+
+#include <uv.h>
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "loop/uv_handle.hpp"
+#include "transport/exposures.hpp"
+#include "transport/registration_cache.hpp"
+#include "transport/tcp/frame.hpp"
+#include "transport/transport.hpp"
+#include "transport/verbs/verbs_api.hpp"
+
+namespace ferry::transport::verbs {
+
+class VerbsTransfer;
+struct Device;
+struct Conn;
+struct Served;
+
+/// The RDMA method: one-sided READ and WRITE over reliable-connected queue pairs that rdma_cm
+/// sets up, one connection per peer pair shared by every operation between them. The passive
+/// side's CPU never touches the bytes: it answers a claim with memory keys valid for that
+/// operation alone (type-2 memory windows bound to the claimant's queue pair, or registrations
+/// of the operation's own where the device has no windows), and hears DONE, a SEND ordered
+/// after the data, on the same connection (docs/protocol.md).
+///
+/// Every fd (rdma_cm's event channel, each device's completion channel and async events) is
+/// non-blocking under uv_poll on the loop; every call runs on the loop thread.
+class VerbsTransport final : public Transport {
+ public:
+  struct Options {
+    /// The functions to call (system_verbs(), or a simulated fabric in tests); not null.
+    const VerbsApi* api = nullptr;
+    std::string bind_address = "127.0.0.1";  ///< the address rdma_cm listens on
+    std::uint16_t port = 0;                  ///< 0: any free port
+    /// Work requests one connection keeps in its send queue at once (data and control).
+    unsigned queue_depth = 128;
+    /// Signal one data work request in this many (and the last one posted in a turn).
+    unsigned signal_every = 16;
+    /// Bytes one RDMA READ or WRITE moves at most (also capped by the port's max_msg_sz).
+    std::uint64_t max_wr_bytes = 1u << 20;
+    /// After draining the completion queue, poll it this long before sleeping on the
+    /// completion channel again (0: sleep at once; lower latency costs CPU).
+    std::chrono::microseconds spin{0};
+    /// While work requests are outstanding, poll the completion queue this often even without
+    /// an event (a missed wakeup costs at most this much).
+    std::chrono::milliseconds watchdog{20};
+    /// Use memory windows where the device has type-2 windows; false: always per-operation
+    /// registrations.
+    bool memory_windows = true;
+    std::chrono::milliseconds peer_timeout{2000};
+    std::string local_name;
+    std::uint64_t local_id = 0;
+  };
+  using Defer = std::function<void(std::function<void()>)>;
+
+  /// Why `api` (null: the system's) cannot offer verbs here, without keeping anything open:
+  /// the libraries are missing, or no RDMA device is found. Empty: it can.
+  static std::string unavailable(const VerbsApi* api);
+
+  /// Opens every device rdma_cm sees (a protection domain, a completion channel and queue,
+  /// async events each) and listens on `bind_address`. Throws Error(Unsupported) when there is
+  /// no device or rdma_cm cannot listen there, Error(InvalidArgument) for bad options.
+  VerbsTransport(uv_loop_t* loop, Defer defer, Options options);
+  ~VerbsTransport() override;
+
+  const Capabilities& capabilities() const override { return caps_; }
+  std::vector<Endpoint> endpoints() const override;
+  std::shared_ptr<const Registration> register_memory(const Region& region) override;
+  std::string expose(const Exposure& exposure, ExposureObserver& observer) override;
+  void revoke(std::uint64_t id, const Error& reason) override;
+  std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
+  std::string unreachable(const Endpoint& endpoint) const override;
+  void close() override;
+
+  /// For tests and statistics.
+  struct Counters {
+    std::uint64_t registrations = 0;   ///< memory regions registered
+    std::uint64_t windows_bound = 0;   ///< memory windows bound
+    std::uint64_t comp_events = 0;     ///< completion channel events read
+    std::uint64_t comp_wakeups = 0;    ///< completion channel fd wakeups
+    std::uint64_t empty_wakeups = 0;   ///< wakeups that found no completion
+    std::uint64_t watchdog_polls = 0;  ///< completion queue polls by the watchdog timer
+    std::uint64_t watchdog_found = 0;  ///< ...that found completions (missed wakeups)
+    std::uint64_t completions = 0;
+    std::uint64_t connections = 0;  ///< connections established (both directions)
+    std::uint64_t data_wrs = 0;     ///< RDMA READ/WRITE work requests posted
+    std::uint64_t signaled_wrs = 0;
+  };
+  const Counters& counters() const noexcept { return counters_; }
+  /// Whether the devices have type-2 memory windows and they are in use.
+  bool uses_memory_windows() const noexcept;
+
+ private:
+  friend class VerbsTransfer;
+  friend struct Conn;
+
+  // Devices and the poller (verbs_device.cpp).
+  void open_devices();
+  Device* device_of(ibv_context* ctx);
+  static void on_comp(uv_poll_t* handle, int status, int events);
+  static void on_async(uv_poll_t* handle, int status, int events);
+  static void on_watchdog(uv_timer_t* timer);
+  void comp_ready(Device& dev);
+  /// Polls `dev`'s CQ until it is empty; returns how many completions it handled.
+  std::size_t drain(Device& dev);
+  void async_ready(Device& dev);
+  void arm_watchdog();
+  std::shared_ptr<void> register_region(const Region& region);
+
+  // Connections (verbs_transport.cpp).
+  static void on_cm(uv_poll_t* handle, int status, int events);
+  void cm_ready();
+  void cm_event(rdma_cm_event& event);
+  void on_connect_request(rdma_cm_event& event);
+  void on_established(Conn& conn, const rdma_cm_event& event);
+  /// Makes the QP of `conn` on its device and posts its receive buffers; false (with why).
+  bool make_qp(Conn& conn, std::string& why);
+  Conn* conn_of(std::uint64_t id);
+  Conn* conn_by_qp(std::uint32_t qp_num);
+  std::shared_ptr<Conn> link_to(const std::string& address, std::string& why);
+  /// The connection failed (or closed): its QP goes to error, every transfer and claim on it
+  /// fails with `why`, and it is destroyed once its work requests are flushed.
+  void fail_conn(Conn& conn, ErrorCode code, const std::string& why, bool setup = false);
+  void destroy_conn(std::uint64_t id);
+  void completion(const ibv_wc& wc);
+  void send_completion(Conn& conn, const ibv_wc& wc);
+  void recv_completion(Conn& conn, const ibv_wc& wc);
+  void post_recv(Conn& conn, std::uint32_t slot);
+  /// Queues a control message (FrameHeader, message text, payload) on `conn`.
+  void send_ctl(Conn& conn, const tcp::FrameHeader& h, std::string_view msg = {},
+                std::string_view payload = {});
+  void pump_ctl(Conn& conn);
+  void on_message(Conn& conn, const tcp::FrameHeader& h, std::string msg, std::string payload);
+
+  // The passive side (verbs_server.cpp).
+  void serve_claim(Conn& conn, const tcp::FrameHeader& h, const std::string& payload);
+  void serve_done(Conn& conn, const tcp::FrameHeader& h, const std::string& msg);
+  void reply_status(Conn& conn, std::uint64_t req, ErrorCode code, const std::string& msg);
+  /// Ends what serving `id` holds: its windows (or registrations) are invalidated now.
+  void end_served(std::uint64_t id);
+  void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
+
+  // The active side (verbs_client.cpp).
+  void begin(VerbsTransfer& t);
+  void on_reply(Conn& conn, const tcp::FrameHeader& h, std::string msg, std::string payload);
+  void on_notice(Conn& conn, const tcp::FrameHeader& h, const std::string& msg);
+  /// Posts data work requests of transfers waiting on `conn`, within its queue depth.
+  void pump(Conn& conn);
+  bool post_some(Conn& conn, VerbsTransfer& t);
+  void wr_done(Conn& conn, std::uint64_t transfer, const ibv_wc* error);
+  void finish_transfer(VerbsTransfer& t, std::optional<Error> error, bool setup = false);
+  void cancel_transfer(VerbsTransfer& t, const Error& reason);
+  void forget_transfer(VerbsTransfer& t);
+  /// Polls the completion queues until transfer `t` has no work request outstanding, at most
+  /// until `deadline`; false if some remain.
+  bool wait_quiet(VerbsTransfer& t, std::chrono::steady_clock::time_point deadline);
+
+  uv_loop_t* loop_;
+  Defer defer_;
+  Options options_;
+  const VerbsApi& api_;
+  Capabilities caps_;
+  Counters counters_;
+  bool closed_ = false;
+
+  std::vector<std::unique_ptr<Device>> devices_;
+  rdma_event_channel* cm_channel_ = nullptr;
+  loop::Poll cm_poll_;
+  rdma_cm_id* listener_ = nullptr;
+  std::string address_;  ///< "ip:port" where rdma_cm listens
+  loop::Timer watchdog_;
+
+  std::uint64_t next_conn_ = 1;
+  std::uint64_t next_req_ = 1;
+  std::uint64_t next_transfer_ = 1;
+  std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;
+  std::unordered_map<std::uint32_t, std::uint64_t> by_qp_;               // qp_num -> conn
+  std::unordered_map<std::string, std::uint64_t> links_;                 // address -> conn
+  /// Requests awaiting an answer, by request id.
+  struct Pending {
+    std::uint64_t transfer = 0;
+    bool done = false;  ///< the answer to DONE (else to CLAIM)
+    std::uint64_t op = 0;
+    Token token{};
+    Access access = Access::read;
+  };
+  std::unordered_map<std::uint64_t, Pending> pending_;
+
+  Exposures exposures_;
+  std::unordered_map<std::uint64_t, std::unique_ptr<Served>> served_;  // by exposure id
+  RegistrationCache registrations_{nullptr};
+
+  std::unordered_map<std::uint64_t, VerbsTransfer*> transfers_;
+  std::shared_ptr<int> life_ = std::make_shared<int>(0);
+};
+
+}  // namespace ferry::transport::verbs
