@@ -60,6 +60,9 @@
 
 #include "tests/support/patterns.hpp"
 #include "tests/support/scattered.hpp"
+#ifdef FERRY_TEST_SIMVERBS
+#include "tests/support/sim_verbs.hpp"
+#endif
 
 namespace {
 
@@ -161,6 +164,9 @@ unsigned refuse_on_pool_threads(long nr) {
 
 int main(int argc, char** argv) {
   std::string name = argc > 1 ? argv[1] : "test-peer";
+#ifdef FERRY_TEST_SIMVERBS
+  if (std::getenv(test::kSimVerbsEnv) != nullptr) test::use_simulated_verbs();
+#endif
   ConnectorOptions options;
   options.name = name;
   Connector connector(options);

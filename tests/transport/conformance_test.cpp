@@ -32,6 +32,10 @@
 #include "transport/exposure_table.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 #include "transport/transport.hpp"
+#ifdef FERRY_WITH_VERBS
+#include "tests/support/simverbs/simverbs.hpp"
+#include "transport/verbs/verbs_transport.hpp"
+#endif
 
 namespace ferry {
 // gtest prints these by name, not as bytes.
@@ -153,11 +157,52 @@ Harness cma_harness() {
           }};
 }
 
+#ifdef FERRY_WITH_VERBS
+verbs::VerbsTransport::Options verbs_options(const Params& p) {
+  verbs::VerbsTransport::Options o;
+  o.api = &test::simverbs::api();
+  o.bind_address = "127.0.0.1";
+  o.local_name = p.name;
+  o.local_id = p.id;
+  o.peer_timeout = 5s;
+  if (p.chunk_size != 0) {
+    o.max_wr_bytes = p.chunk_size;
+    o.queue_depth = 4;
+    o.signal_every = 1;
+  }
+  return o;
+}
+
+// verbs against the simulated fabric (tests/support/simverbs/): no RDMA NIC here.
+Harness verbs_harness() {
+  return {"verbs",
+          [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
+            return std::make_unique<verbs::VerbsTransport>(loop.uv(), defer_on(loop),
+                                                           verbs_options(p));
+          },
+          [](std::shared_ptr<void>&) -> Endpoint {
+            // A transport that listened and closed: its port answers no more.
+            loop::EventLoop loop;
+            Endpoint e = loop.call([&] {
+              verbs::VerbsTransport t(loop.uv(), defer_on(loop), verbs_options({"dead", 9, 0}));
+              Endpoint out = t.endpoints().at(0);
+              t.close();
+              return out;
+            });
+            loop.close([] {});
+            return e;
+          }};
+}
+#endif
+
 std::vector<Harness> harnesses() {
   return {
       tcp_harness(),
       fake_harness(),
       cma_harness(),
+#ifdef FERRY_WITH_VERBS
+      verbs_harness(),
+#endif
   };
 }
 

@@ -279,7 +279,7 @@ void VerbsTransport::wr_done(Conn& conn, std::uint64_t tid, const ibv_wc* error)
       return;
     }
     std::string text = std::string(op) + " peer '" + t.spec.peer_name + "' failed: " +
-                       wc_status_text(error->status);
+                       why_failed(conn, error->status);
     if (error->status == IBV_WC_REM_ACCESS_ERR)
       text += " (the owner ended the operation, or its key is no longer valid)";
     finish_transfer(t, Error(code_of(error->status), text));

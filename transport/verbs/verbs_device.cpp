@@ -254,8 +254,12 @@ std::size_t VerbsTransport::drain(Device& dev) {
 
 void VerbsTransport::arm_watchdog() {
   if (!watchdog_ || closed_) return;
-  bool busy = false;
+  // Busy: work requests outstanding, answers awaited, or a claimed operation being served
+  // (its DONE will come). Idle, nothing polls: the completion channel alone wakes the loop.
+  bool busy = !pending_.empty();
+  for (auto& [id, t] : transfers_) busy = busy || !t->finished;
   for (auto& [id, c] : conns_) busy = busy || !c->posted.empty();
+  for (auto& [id, s] : served_) busy = busy || s->conn != 0;
   if (busy) {
     if (uv_is_active(reinterpret_cast<uv_handle_t*>(watchdog_.get())) == 0)
       uv_timer_start(watchdog_.get(), &VerbsTransport::on_watchdog,
@@ -272,7 +276,13 @@ void VerbsTransport::on_watchdog(uv_timer_t* timer) {
   loop::guarded("verbs watchdog", [self] {
     for (auto& dev : self->devices_) {
       ++self->counters_.watchdog_polls;
-      if (self->drain(*dev) != 0) ++self->counters_.watchdog_found;
+      if (self->drain(*dev) == 0) continue;
+      // A wakeup was missed: the queue may be disarmed. Arm it again, and poll what came
+      // in between.
+      ++self->counters_.watchdog_found;
+      if (self->closed_) return;
+      self->api_.req_notify_cq(dev->cq, 0);
+      self->drain(*dev);
       if (self->closed_) return;
     }
     self->arm_watchdog();

@@ -14,6 +14,16 @@ namespace {
 
 constexpr int kResolveMs = 2000;
 
+/// The table to call: `api`, else the system's; throws Error(Unsupported) when that cannot
+/// be loaded.
+const VerbsApi& pick(const VerbsApi* api) {
+  if (api != nullptr) return *api;
+  std::string why;
+  const VerbsApi* system = system_verbs(&why);
+  if (system == nullptr) throw Error(ErrorCode::Unsupported, "verbs: " + why);
+  return *system;
+}
+
 void* id_ptr(std::uint64_t id) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id)); }
 std::uint64_t ptr_id(void* p) { return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)); }
 
@@ -23,7 +33,7 @@ VerbsTransport::VerbsTransport(uv_loop_t* loop, Defer defer, Options options)
     : loop_(loop),
       defer_(defer),
       options_(std::move(options)),
-      api_(*(options_.api != nullptr ? options_.api : system_verbs())),
+      api_(pick(options_.api)),
       exposures_("verbs", std::move(defer)) {
   caps_.method = "verbs";
   caps_.rank = 300;
@@ -100,6 +110,7 @@ void VerbsTransport::close() {
   exposures_.clear();
   // Queue pairs to error, then gone: no work request of ours touches memory after this.
   for (auto& [id, c] : conns_) {
+    if (c->state == Conn::State::up && c->cm != nullptr) api_.disconnect(c->cm);
     if (c->qp != nullptr) {
       ibv_qp_attr attr{};
       attr.qp_state = IBV_QPS_ERR;
@@ -409,7 +420,14 @@ void VerbsTransport::fail_conn(Conn& conn, ErrorCode code, const std::string& wh
     if (it == transfers_.end() || it->second->finished) continue;
     VerbsTransfer& t = *it->second;
     const bool before = setup || (!t.secret && t.outstanding == 0 && !was_up);
-    finish_transfer(t, Error(code, text), before);
+    if (t.ended_by_owner) {
+      finish_transfer(t, t.ended_by_owner);
+      continue;
+    }
+    finish_transfer(t,
+                    Error(code, "verbs connection to peer '" + t.spec.peer_name + "' at " +
+                                    t.spec.endpoint.address + " failed: " + why),
+                    before);
   }
   // Every exposure it claimed ends; their keys die now.
   std::vector<std::uint64_t> ended;
@@ -460,6 +478,16 @@ void VerbsTransport::completion(const ibv_wc& wc) {
     send_completion(*conn, wc);
 }
 
+std::string VerbsTransport::why_failed(const Conn& conn, ibv_wc_status status) {
+  std::string text = wc_status_text(status);
+  if (conn.dev == nullptr || status == IBV_WC_REM_ACCESS_ERR) return text;
+  const std::uint8_t port = conn.cm != nullptr && conn.cm->port_num != 0 ? conn.cm->port_num : 1;
+  ibv_port_attr attr{};
+  if (api_.query_port(conn.dev->ctx, port, &attr) == 0 && attr.state != IBV_PORT_ACTIVE)
+    text += " (" + conn.dev->name + " port " + std::to_string(port) + " is down)";
+  return text;
+}
+
 void VerbsTransport::send_completion(Conn& conn, const ibv_wc& wc) {
   // Work requests complete in order: one completion retires every unsignalled one before it.
   std::vector<std::uint64_t> touched;
@@ -480,7 +508,7 @@ void VerbsTransport::send_completion(Conn& conn, const ibv_wc& wc) {
   }
   if (wc.status != IBV_WC_SUCCESS && conn.state != Conn::State::failed) {
     fail_conn(conn, wc.status == IBV_WC_RETRY_EXC_ERR ? ErrorCode::PeerLost : ErrorCode::Internal,
-              wc_status_text(wc.status));
+              why_failed(conn, wc.status));
     return;
   }
   for (std::uint64_t tid : touched) wr_done(conn, tid, nullptr);
@@ -494,7 +522,7 @@ void VerbsTransport::recv_completion(Conn& conn, const ibv_wc& wc) {
   if (conn.recvs_posted > 0) --conn.recvs_posted;
   if (wc.status != IBV_WC_SUCCESS) {
     if (wc.status != IBV_WC_WR_FLUSH_ERR)
-      fail_conn(conn, ErrorCode::PeerLost, wc_status_text(wc.status));
+      fail_conn(conn, ErrorCode::PeerLost, why_failed(conn, wc.status));
     return;
   }
   if (conn.state == Conn::State::failed) return;

@@ -132,6 +132,9 @@ class VerbsTransport final : public Transport {
   void fail_conn(Conn& conn, ErrorCode code, const std::string& why, bool setup = false);
   void destroy_conn(std::uint64_t id);
   void completion(const ibv_wc& wc);
+  /// What an error completion on `conn` means, with the state of its port when that explains
+  /// it ("transport retry counter exceeded (sim0 port 1 is down)").
+  std::string why_failed(const Conn& conn, ibv_wc_status status);
   void send_completion(Conn& conn, const ibv_wc& wc);
   void recv_completion(Conn& conn, const ibv_wc& wc);
   void post_recv(Conn& conn, std::uint32_t slot);
