@@ -37,9 +37,17 @@ TEST(FerryInfo, PlainOutputNamesTcpAvailable) {
   EXPECT_NE(run.out.find("highest-ranked method both offer"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("here nothing restricts it."), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("Offered here, best first: "), std::string::npos) << run.out;
+#ifdef FERRY_WITH_VERBS
+  // Built: shown as probe_methods has it, offered or with its reason.
+  EXPECT_TRUE(std::regex_search(
+      run.out, std::regex("\n  verbs +300  (available +needs: |unavailable +)\\S")))
+      << run.out;
+  EXPECT_EQ(run.out.find("verbs   300  not built"), std::string::npos) << run.out;
+#else
   EXPECT_TRUE(std::regex_search(run.out,
                                 std::regex("\n  verbs +300  not built into this version of ferry")))
       << run.out;
+#endif
   EXPECT_TRUE(std::regex_search(run.out, std::regex("\n  cuda +not built into this version")))
       << run.out;
 }
@@ -116,8 +124,20 @@ TEST(FerryInfo, JsonListsMethodsBestFirst) {
   }
   EXPECT_EQ(method(doc, "tcp").at("rank"), 100);
   EXPECT_EQ(method(doc, "tcp").at("available"), true);
+#ifdef FERRY_WITH_VERBS
+  EXPECT_EQ(method(doc, "verbs").at("built"), true);
+  EXPECT_EQ(method(doc, "verbs").at("rank"), 300);
+  if (!method(doc, "verbs").at("available").get<bool>()) {
+    EXPECT_EQ(method(doc, "verbs").at("status"), "unavailable");
+    EXPECT_FALSE(method(doc, "verbs").at("detail").get<std::string>().empty());
+  }
+  ConnectorOptions only_verbs;
+  only_verbs.transports = {"verbs"};
+  EXPECT_EQ(method(doc, "verbs").at("detail"), probe_methods(only_verbs).front().detail);
+#else
   EXPECT_EQ(method(doc, "verbs").at("built"), false);
   EXPECT_EQ(method(doc, "verbs").at("detail"), "not built into this version of ferry");
+#endif
   EXPECT_EQ(doc.at("memory").at(1).at("kind"), "cuda");
   EXPECT_EQ(doc.at("memory").at(1).at("supported"), false);
   EXPECT_EQ(doc.at("versions").at("ferry"), FERRY_INFO_EXPECTED_VERSION);
@@ -148,7 +168,7 @@ TEST(FerryInfo, SaysWhenNoNatsServerIsConfigured) {
   EXPECT_EQ(parsed(run_ferry_info({"--json", "--strict"})).at("nats").at("configured"), false);
 }
 
-TEST(FerryInfo, SaysWhenNoRdmaDeviceIsFound) {
+TEST(FerryInfo, SaysWhyNoRdmaDeviceIsListed) {
   json rdma = parsed(run_ferry_info({"--json"})).at("rdma");
   std::error_code ec;
   bool none = std::filesystem::is_empty("/sys/class/infiniband", ec) || ec;
@@ -157,11 +177,32 @@ TEST(FerryInfo, SaysWhenNoRdmaDeviceIsFound) {
     EXPECT_TRUE(!rdma.at("devices").empty() || rdma.contains("error")) << rdma.dump();
     return;
   }
-  EXPECT_TRUE(rdma.at("devices").empty()) << rdma.dump();
+  EXPECT_EQ(rdma.at("devices"), json::array()) << rdma.dump();
   ToolRun run = run_ferry_info({});
-  EXPECT_TRUE(run.out.find("no RDMA device found") != std::string::npos ||
-              run.out.find("libibverbs") != std::string::npos)
-      << run.out;
+#ifdef FERRY_WITH_VERBS
+  if (!rdma.at("usable").get<bool>()) {
+    // libibverbs or librdmacm cannot be loaded: the loader says why.
+    std::string error = rdma.at("error");
+    EXPECT_NE(error.find("cannot be loaded"), std::string::npos) << error;
+    EXPECT_NE(run.out.find("\nRDMA devices\n  " + error.substr(0, 20)), std::string::npos)
+        << run.out;
+    return;
+  }
+  EXPECT_EQ(rdma.at("api"), "libibverbs");
+  std::string detail = rdma.at("detail");
+  // Without the kernel's user-space verbs (no /sys/class/infiniband_verbs) libibverbs answers
+  // ENOSYS; with them and no device, an empty list.
+  if (!std::filesystem::exists("/sys/class/infiniband_verbs", ec))
+    EXPECT_EQ(detail, "no RDMA support in the kernel (ibv_get_device_list: ENOSYS)");
+  else
+    EXPECT_EQ(detail, "no RDMA device found");
+  std::string expected = "\nRDMA devices (libibverbs)\n  no RDMA device found";
+  if (detail != "no RDMA device found") expected += ": " + detail;
+  EXPECT_NE(run.out.find(expected + "\n"), std::string::npos) << run.out;
+#else
+  EXPECT_EQ(rdma.at("usable"), false);
+  EXPECT_NE(run.out.find("this ferry was built without verbs"), std::string::npos) << run.out;
+#endif
 }
 
 TEST(FerryInfo, BadUsageExitsWith2) {

@@ -4,7 +4,8 @@
 //
 //   methods    every method of this build, best first, offered here or not and why
 //              (ferry::probe_methods), the methods and memory kinds not built into this version
-//   rdma       the RDMA devices and ports libibverbs sees
+//   rdma       the RDMA devices libibverbs sees (loaded at run time through ferry's verbs
+//              table): their limits, their ports' link layers and GID tables
 //   nats       whether the NATS server(s) of --nats or FERRY_NATS_URL answer, and what they say
 //   versions   ferry, libuv, cnats, the kernel
 //   host       the same-host facts cma relies on: boot id, PID namespace, Yama's ptrace_scope
@@ -37,8 +38,7 @@
 #include <nlohmann/json.hpp>
 
 #ifdef FERRY_INFO_WITH_VERBS
-#include <endian.h>
-#include <infiniband/verbs.h>
+#include "transport/verbs/verbs_devices.hpp"
 #endif
 
 namespace {
@@ -156,12 +156,19 @@ Args parse_args(int argc, char** argv) {
 
 // ---- methods ---------------------------------------------------------------------------------
 
-/// Methods ferry will have that this build may lack, with the rank they will have.
+/// Methods of ferry that a build may lack, with their rank: verbs, without the ibverbs and
+/// rdma_cm headers or with FERRY_WITH_VERBS=OFF. A built method is shown as probe_methods has it.
 struct LaterMethod {
   const char* method;
   int rank;
 };
-constexpr LaterMethod kLaterMethods[] = {{"verbs", 300}, {"cma", 200}};
+std::vector<LaterMethod> later_methods() {
+#ifdef FERRY_INFO_WITH_VERBS
+  return {};
+#else
+  return {{"verbs", 300}};
+#endif
+}
 
 /// Where the transports restriction comes from: --transports, FERRY_TRANSPORTS, or nowhere.
 json restriction(const Args& args) {
@@ -207,7 +214,7 @@ json method_list(const Args& args, json& restricted) {
                        {"available", info.available},
                        {"status", method_status(info, restricted)},
                        {"detail", info.detail}});
-  for (const LaterMethod& later : kLaterMethods) {
+  for (const LaterMethod& later : later_methods()) {
     auto built = [&](const json& m) { return m["method"] == later.method; };
     if (std::none_of(methods.begin(), methods.end(), built))
       methods.push_back({{"method", later.method},
@@ -253,101 +260,22 @@ json methods_facts(const Args& args) {
 
 // ---- RDMA ------------------------------------------------------------------------------------
 
+/// The devices through the system's verbs table (transport/verbs/verbs_devices.hpp), or why
+/// there is none to ask.
+json rdma_facts() {
 #ifdef FERRY_INFO_WITH_VERBS
-
-std::string link_layer_name(std::uint8_t link_layer) {
-  switch (link_layer) {
-    case IBV_LINK_LAYER_INFINIBAND:
-      return "InfiniBand";
-    case IBV_LINK_LAYER_ETHERNET:
-      return "Ethernet";
-    default:
-      return "unspecified";
-  }
-}
-
-int mtu_bytes(ibv_mtu mtu) {
-  int code = static_cast<int>(mtu);  // IBV_MTU_256 is 1, IBV_MTU_4096 is 5
-  return code >= 1 && code <= 5 ? 128 << code : 0;
-}
-
-std::string gid_text(const ibv_gid& gid) {
-  char text[INET6_ADDRSTRLEN] = {};
-  if (inet_ntop(AF_INET6, gid.raw, text, sizeof text) == nullptr) return "";
-  return text;
-}
-
-std::string guid_text(__be64 guid) {
-  std::uint64_t host = be64toh(guid);
-  char text[20];
-  std::snprintf(text, sizeof text, "%04x:%04x:%04x:%04x", static_cast<unsigned>(host >> 48),
-                static_cast<unsigned>((host >> 32) & 0xffff),
-                static_cast<unsigned>((host >> 16) & 0xffff), static_cast<unsigned>(host & 0xffff));
-  return text;
-}
-
-json port_facts(ibv_context* context, std::uint8_t port) {
-  ibv_port_attr attr{};
-  if (int rc = ibv_query_port(context, port, &attr); rc != 0)
-    return {{"port", port}, {"error", std::string("ibv_query_port: ") + std::strerror(rc)}};
-  json facts = {{"port", port},
-                {"state", ibv_port_state_str(attr.state)},
-                {"link_layer", link_layer_name(attr.link_layer)},
-                {"active_mtu", mtu_bytes(attr.active_mtu)},
-                {"lid", attr.lid}};
-  ibv_gid gid{};
-  if (ibv_query_gid(context, port, 0, &gid) == 0) facts["gid0"] = gid_text(gid);
-  return facts;
-}
-
-json device_facts(ibv_device* device) {
-  json facts = {{"name", ibv_get_device_name(device)},
-                {"node_guid", guid_text(ibv_get_device_guid(device))}};
-  std::unique_ptr<ibv_context, int (*)(ibv_context*)> context(ibv_open_device(device),
-                                                              ibv_close_device);
-  if (!context) {
-    facts["error"] = std::string("ibv_open_device: ") + std::strerror(errno);
-    return facts;
-  }
-  ibv_device_attr attr{};
-  if (int rc = ibv_query_device(context.get(), &attr); rc != 0) {
-    facts["error"] = std::string("ibv_query_device: ") + std::strerror(rc);
-    return facts;
-  }
-  facts["firmware"] = attr.fw_ver;
-  facts["ports"] = json::array();
-  for (int port = 1; port <= attr.phys_port_cnt; ++port)
-    facts["ports"].push_back(port_facts(context.get(), static_cast<std::uint8_t>(port)));
-  return facts;
-}
-
-json rdma_facts() {
-  int count = 0;
-  std::unique_ptr<ibv_device*, void (*)(ibv_device**)> list(ibv_get_device_list(&count),
-                                                            ibv_free_device_list);
-  // rdma-core's answer when the kernel has no RDMA support for user space at all.
-  if (!list && errno == ENOSYS)
-    return {{"usable", true},
-            {"devices", json::array()},
-            {"detail", "libibverbs finds no RDMA support in the kernel (ENOSYS)"}};
-  if (!list)
-    return {{"usable", false},
-            {"error", std::string("libibverbs cannot list devices: ") + std::strerror(errno)},
-            {"devices", json::array()}};
-  json devices = json::array();
-  for (int i = 0; i < count; ++i) devices.push_back(device_facts(list.get()[i]));
-  return {{"usable", true}, {"devices", std::move(devices)}};
-}
-
+  std::string why;
+  const ferry::transport::verbs::VerbsApi* api = ferry::transport::verbs::system_verbs(&why);
+  if (api == nullptr) return {{"usable", false}, {"error", why}, {"devices", json::array()}};
+  return json(ferry::transport::verbs::describe_devices(*api));
 #else
-
-json rdma_facts() {
   return {{"usable", false},
-          {"error", "this ferry-info was built without libibverbs"},
+          {"error",
+           "this ferry was built without verbs (no ibverbs headers, or "
+           "FERRY_WITH_VERBS=OFF)"},
           {"devices", json::array()}};
-}
-
 #endif
+}
 
 // ---- NATS ------------------------------------------------------------------------------------
 
@@ -573,36 +501,92 @@ void print_methods(const json& facts) {
                 m["detail"].get<std::string>().c_str());
 }
 
-void print_rdma(const json& facts) {
-  std::printf("\nRDMA devices\n");
-  if (!facts["usable"].get<bool>()) {
-    std::printf("  %s\n", facts["error"].get<std::string>().c_str());
+/// `text` wrapped at column `column`, with `label` in front of its first line.
+std::string labelled(const std::string& label, const std::string& text, std::size_t column) {
+  std::string out = wrap(text, column);
+  std::string head = "    " + label;
+  head.resize(std::max(head.size() + 1, column), ' ');
+  return head + out.substr(std::min(column, out.size()));
+}
+
+std::string number_text(const json& value) {
+  if (value.is_number_float()) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", value.get<double>());
+    return text;
+  }
+  return value.dump();
+}
+
+/// The device's limits in the order of ibv_query_device's man page.
+std::string limits_text(const json& limits) {
+  std::vector<std::string> parts;
+  for (const char* key : {"max_mr_size", "max_mr", "max_pd", "max_qp", "max_qp_wr", "max_sge",
+                          "max_cq", "max_cqe", "max_qp_rd_atom", "max_qp_init_rd_atom", "max_mw"})
+    if (limits.contains(key)) parts.push_back(std::string(key) + " " + number_text(limits[key]));
+  if (limits.contains("memory_window_type_2b"))
+    parts.push_back(std::string("memory windows type 2B ") +
+                    (limits["memory_window_type_2b"].get<bool>() ? "yes" : "no"));
+  return join(parts);
+}
+
+std::string port_text(const json& p) {
+  std::vector<std::string> parts{p["state"].get<std::string>(), p["link_layer"].get<std::string>()};
+  parts.push_back("active MTU " + number_text(p["active_mtu"]) + " (max " +
+                  number_text(p["max_mtu"]) + ")");
+  if (p["link_layer"] == "InfiniBand")
+    parts.push_back("LID " + number_text(p["lid"]) + ", SM LID " + number_text(p["sm_lid"]));
+  parts.push_back("max message " + number_text(p["max_msg_sz"]) + " bytes");
+  std::string rate;
+  if (p.contains("width")) rate = p["width"].get<std::string>();
+  if (p.contains("speed")) rate += (rate.empty() ? "" : " ") + p["speed"].get<std::string>();
+  if (p.contains("rate_gbps")) rate += " (" + number_text(p["rate_gbps"]) + " Gb/s)";
+  if (!rate.empty()) parts.push_back(rate);
+  parts.push_back("GID table of " + number_text(p["gid_tbl_len"]) + " entries");
+  return join(parts);
+}
+
+void print_device(const json& d) {
+  std::printf("  %s  node GUID %s", d["name"].get<std::string>().c_str(),
+              d["node_guid"].get<std::string>().c_str());
+  if (d.contains("error")) {
+    std::printf("  %s\n", d["error"].get<std::string>().c_str());
     return;
   }
-  if (facts["devices"].empty() && facts.contains("detail"))
-    std::printf("  no RDMA device found: %s\n", facts["detail"].get<std::string>().c_str());
-  else if (facts["devices"].empty())
-    std::printf("  no RDMA device found\n");
-  for (const json& d : facts["devices"]) {
-    std::printf("  %s  node GUID %s", d["name"].get<std::string>().c_str(),
-                d["node_guid"].get<std::string>().c_str());
-    if (d.contains("error")) {
-      std::printf("  %s\n", d["error"].get<std::string>().c_str());
+  std::printf("  firmware %s\n", d["firmware"].get<std::string>().c_str());
+  std::printf("%s", labelled("limits", limits_text(d["limits"]), 13).c_str());
+  for (const json& p : d["ports"]) {
+    std::string label = "port " + number_text(p["port"]);
+    if (p.contains("error")) {
+      std::printf("%s", labelled(label, p["error"].get<std::string>(), 13).c_str());
       continue;
     }
-    std::printf("  firmware %s\n", d["firmware"].get<std::string>().c_str());
-    for (const json& p : d["ports"]) {
-      if (p.contains("error")) {
-        std::printf("    port %d: %s\n", p["port"].get<int>(),
-                    p["error"].get<std::string>().c_str());
-        continue;
-      }
-      std::printf("    port %d: %s, %s, active MTU %d, LID %d, GID[0] %s\n", p["port"].get<int>(),
-                  p["state"].get<std::string>().c_str(), p["link_layer"].get<std::string>().c_str(),
-                  p["active_mtu"].get<int>(), p["lid"].get<int>(),
-                  p.value("gid0", std::string("?")).c_str());
+    std::printf("%s", labelled(label, port_text(p), 13).c_str());
+    if (p["gids"].empty()) std::printf("             no GID set\n");
+    for (const json& g : p["gids"]) {
+      std::string line = "GID " + number_text(g["index"]);
+      line.resize(std::max<std::size_t>(line.size() + 1, 8), ' ');
+      line += g["gid"].get<std::string>();
+      if (g.contains("ipv4")) line += " (IPv4 " + g["ipv4"].get<std::string>() + ")";
+      std::printf("             %s\n", line.c_str());
     }
   }
+}
+
+void print_rdma(const json& facts) {
+  std::printf("\nRDMA devices%s\n",
+              facts.contains("api") ? (" (" + facts["api"].get<std::string>() + ")").c_str() : "");
+  if (!facts["usable"].get<bool>()) {
+    std::printf("%s", wrap(facts["error"].get<std::string>(), 2).c_str());
+    return;
+  }
+  if (facts["devices"].empty()) {
+    std::string detail = facts.value("detail", std::string("no RDMA device found"));
+    std::printf("  %s\n", detail.starts_with("no RDMA device found")
+                              ? detail.c_str()
+                              : ("no RDMA device found: " + detail).c_str());
+  }
+  for (const json& d : facts["devices"]) print_device(d);
 }
 
 void print_nats(const json& facts) {
