@@ -116,6 +116,8 @@ std::string VerbsTransport::unavailable(const VerbsApi* api) {
   int n = 0;
   errno = 0;
   ibv_device** list = api->get_device_list(&n);
+  if (list == nullptr && errno == ENOSYS)
+    return "no RDMA support in the kernel (ibv_get_device_list: ENOSYS)";
   if (list == nullptr)
     return std::string("ibv_get_device_list failed: ") +
            (errno != 0 ? sys_text(errno) : "no reason given");
