@@ -87,7 +87,7 @@ class Log : public ExposureObserver, public TransferObserver {
   std::optional<Error> error_;
 };
 
-struct Served {
+struct Offered {
   Exposure exposure;
   Endpoint endpoint;
 };
@@ -97,8 +97,8 @@ inline std::uint64_t next_id() {
   return ++id;
 }
 
-inline Served expose(Side& owner, Access access, std::byte* bytes, std::size_t size, Log& log) {
-  Served s;
+inline Offered expose(Side& owner, Access access, std::byte* bytes, std::size_t size, Log& log) {
+  Offered s;
   s.exposure.id = next_id();
   s.exposure.token = random_token();
   s.exposure.access = access;
@@ -110,7 +110,7 @@ inline Served expose(Side& owner, Access access, std::byte* bytes, std::size_t s
   return s;
 }
 
-inline std::unique_ptr<Transfer> start(Side& active, const Served& s, std::byte* local, std::size_t size,
+inline std::unique_ptr<Transfer> start(Side& active, const Offered& s, std::byte* local, std::size_t size,
                                 Log& log) {
   TransferSpec spec;
   spec.remote_id = s.exposure.id;

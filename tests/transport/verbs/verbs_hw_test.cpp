@@ -46,7 +46,7 @@ TEST_P(RealDevice, MovesBytesBetweenTwoTransports) {
     std::vector<std::byte> theirs(size), ours(size);
     test::fill_pattern(access == Access::read ? theirs.data() : ours.data(), size, 9);
     Log ol, al;
-    Served s = expose(owner, access, theirs.data(), size, ol);
+    Offered s = expose(owner, access, theirs.data(), size, ol);
     auto t = start(active, s, ours.data(), size, al);
     expect_ok(al, "the transfer");
     expect_ok(ol, "the owner");

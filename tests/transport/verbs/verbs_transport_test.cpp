@@ -154,7 +154,7 @@ TEST_P(Keys, WorkWhileTheOperationLivesAndFailAfterItEnds) {
   std::vector<std::byte> src(kSize), dst(kSize);
   test::fill_pattern(src.data(), kSize, 5);
   Log olog, alog;
-  Served s = expose(owner, Access::read, src.data(), kSize, olog);
+  Offered s = expose(owner, Access::read, src.data(), kSize, olog);
 
   // While the claim holds, the key the active side uses reaches the memory through the
   // owner's queue pair.
@@ -220,8 +220,8 @@ TEST_F(Fabric, APortDownErrorsExactlyTheTransfersThroughItAndTheNextOneReconnect
   test::fill_pattern(src_a.data(), kSize, 1);
   test::fill_pattern(src_b.data(), kSize, 2);
   Log la, lb, ta, tb;
-  Served sa = expose(a, Access::read, src_a.data(), kSize, la);
-  Served sb = expose(b, Access::read, src_b.data(), kSize, lb);
+  Offered sa = expose(a, Access::read, src_a.data(), kSize, la);
+  Offered sb = expose(b, Access::read, src_b.data(), kSize, lb);
   auto xa = start(active, sa, dst_a.data(), kSize, ta);
   auto xb = start(active, sb, dst_b.data(), kSize, tb);
   const auto deadline = Clock::now() + 20s;
@@ -249,7 +249,7 @@ TEST_F(Fabric, APortDownErrorsExactlyTheTransfersThroughItAndTheNextOneReconnect
   const auto before = active.counters().connections;
   Log la2, ta2;
   std::fill(dst_a.begin(), dst_a.end(), std::byte{0});
-  Served sa2 = expose(a, Access::read, src_a.data(), kSize, la2);
+  Offered sa2 = expose(a, Access::read, src_a.data(), kSize, la2);
   auto xa2 = start(active, sa2, dst_a.data(), kSize, ta2);
   expect_ok(ta2, "the transfer after the port came back");
   EXPECT_EQ(test::first_mismatch(dst_a.data(), kSize, 1), -1);
@@ -275,7 +275,7 @@ TEST_F(Fabric, LateEventsAreCoalescedIntoFewWakeups) {
   std::vector<std::byte> src(kSize), dst(kSize);
   test::fill_pattern(src.data(), kSize, 3);
   Log ol, al;
-  Served s = expose(owner, Access::read, src.data(), kSize, ol);
+  Offered s = expose(owner, Access::read, src.data(), kSize, ol);
   auto t = start(active, s, dst.data(), kSize, al);
   expect_ok(al, "the read");
   EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 3), -1);
@@ -301,7 +301,7 @@ TEST_F(Fabric, ALostEventIsRecoveredAndSpuriousOnesAreHarmless) {
   std::vector<std::byte> src(kSize), dst(kSize);
   test::fill_pattern(src.data(), kSize, 4);
   Log ol, al;
-  Served s = expose(owner, Access::read, src.data(), kSize, ol);
+  Offered s = expose(owner, Access::read, src.data(), kSize, ol);
   auto t = start(active, s, dst.data(), kSize, al);
   expect_ok(al, "the read despite a lost wakeup");
   EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 4), -1);
@@ -318,7 +318,7 @@ TEST_F(Fabric, ALostEventIsRecoveredAndSpuriousOnesAreHarmless) {
 
   // Spurious events did not disarm anything: the next transfer completes by events.
   Log ol2, al2;
-  Served s2 = expose(owner, Access::read, src.data(), kSize, ol2);
+  Offered s2 = expose(owner, Access::read, src.data(), kSize, ol2);
   auto t2 = start(active, s2, dst.data(), kSize, al2);
   expect_ok(al2, "the read after spurious events");
   active.call([&] {
@@ -333,7 +333,7 @@ TEST_F(Fabric, NothingPollsWhenIdle) {
   constexpr std::size_t kSize = 1u << 20;
   std::vector<std::byte> src(kSize), dst(kSize);
   Log ol, al;
-  Served s = expose(owner, Access::read, src.data(), kSize, ol);
+  Offered s = expose(owner, Access::read, src.data(), kSize, ol);
   auto t = start(active, s, dst.data(), kSize, al);
   expect_ok(al, "the read");
   expect_ok(ol, "the owner");
