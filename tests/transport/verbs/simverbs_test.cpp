@@ -14,7 +14,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -1247,6 +1249,30 @@ TEST(SimverbsMemory, DeregDuringAWriteStopsItThere) {
   EXPECT_EQ(target, at_dereg);
   EXPECT_NE(at_dereg, local);        // it was stopped midway...
   EXPECT_EQ(at_dereg[0], local[0]);  // ...after it had begun
+
+  // A READ whose source is deregistered midway: the rest comes as zeros, the requester gets
+  // a remote access error, and the responder's QP fails as well.
+  Pair q;
+  q.connect();
+  ASSERT_FALSE(HasFatalFailure());
+  std::vector<unsigned char> source = pattern(n, 3);
+  std::vector<unsigned char> sink(n, 0xff);
+  ibv_mr* smr = V().reg_mr(q.server.pd, source.data(), n, kAll);
+  ASSERT_NE(smr, nullptr);
+  ibv_mr* kmr = q.client.reg(sink.data(), n, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_EQ(post_recv(q.server.qp(), 9, {}), 0);
+  ASSERT_EQ(post(q.client.qp(), IBV_WR_RDMA_READ, 2, {sge(sink.data(), n, kmr)},
+                 reinterpret_cast<uint64_t>(source.data()), smr->rkey),
+            0);
+  EXPECT_TRUE(no_wc(q.client.cq, 30));
+  ASSERT_EQ(V().dereg_mr(smr), 0);
+  wc = one_wc(q.client.cq);
+  EXPECT_EQ(wc.status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(sink[0], source[0]);
+  EXPECT_EQ(sink[n - 1], 0);
+  wc = one_wc(q.server.cq);
+  EXPECT_EQ(wc.wr_id, 9u);
+  EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);
 }
 
 TEST(SimverbsFork, ChildDoesNotKeepTheParentsConnectionsOpen) {
@@ -1281,6 +1307,19 @@ std::string self_exe() {
 }
 
 constexpr std::size_t kServed = 1u << 20;
+
+// Waits until `pid` is stopped by a signal (kill() does not wait for it).
+bool stopped(pid_t pid) {
+  auto until = Clock::now() + 5s;
+  while (Clock::now() < until) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    std::size_t paren = all.rfind(')');
+    if (paren != std::string::npos && paren + 2 < all.size() && all[paren + 2] == 'T') return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
+}
 
 TEST(SimverbsChild, Serve) {
   if (std::getenv("FERRY_SIMVERBS_CHILD") == nullptr)
@@ -1368,6 +1407,7 @@ TEST(SimverbsCrossProcess, ServedMemoryAndRealPeerDeath) {
 
   // The child stops answering, then dies.
   child.kill(SIGSTOP);
+  ASSERT_TRUE(stopped(child.pid()));
   ASSERT_EQ(post(client.qp(), IBV_WR_RDMA_READ, 3, {sge(local.data(), 4096, lmr)}, raddr, rkey), 0);
   ASSERT_EQ(post_recv(client.qp(), 4, {}), 0);
   EXPECT_TRUE(no_wc(client.cq, 100));
