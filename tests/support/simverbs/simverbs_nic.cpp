@@ -503,6 +503,9 @@ bool flush_out(Conn* c) {
             if (src == nullptr) {
               o.trailer = o.remote ? IBV_WC_REM_ACCESS_ERR : IBV_WC_LOC_PROT_ERR;
               if (o.request) fail_request(c, o.seq, IBV_WC_LOC_PROT_ERR);
+              // A READ's source went away under the responder: its QP fails too, as for an
+              // access error found when the request arrived.
+              if (Qp* q = qp_of(c); o.remote && q != nullptr) enter_error(q, false);
             }
           }
           if (src == nullptr) {

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -13,7 +14,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -1217,6 +1220,83 @@ TEST(SimverbsData, RateCapSlowsTheSender) {
   EXPECT_EQ(target, local);
 }
 
+TEST(SimverbsMemory, DeregDuringAWriteStopsItThere) {
+  sv::Config normal = sv::current_config();
+  struct Restore {
+    sv::Config c;
+    ~Restore() { sv::configure(c); }
+  } restore{normal};
+  sv::Config slow = normal;
+  slow.rate_mbps = 80;  // 10 MB/s: 1 MiB takes about 100 ms
+  sv::configure(slow);
+  Pair p;
+  p.connect();
+  ASSERT_FALSE(HasFatalFailure());
+  const std::size_t n = 1u << 20;
+  std::vector<unsigned char> target(n, 0);
+  std::vector<unsigned char> local = pattern(n, 2);
+  ibv_mr* tmr = V().reg_mr(p.server.pd, target.data(), n, kAll);
+  ASSERT_NE(tmr, nullptr);
+  ibv_mr* lmr = p.client.reg(local.data(), n, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_EQ(post(p.client.qp(), IBV_WR_RDMA_WRITE, 1, {sge(local.data(), n, lmr)},
+                 reinterpret_cast<uint64_t>(target.data()), tmr->rkey),
+            0);
+  EXPECT_TRUE(no_wc(p.client.cq, 30));
+  ASSERT_EQ(V().dereg_mr(tmr), 0);
+  const std::vector<unsigned char> at_dereg = target;  // nothing writes it any more
+  ibv_wc wc = one_wc(p.client.cq);
+  EXPECT_EQ(wc.status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(target, at_dereg);
+  EXPECT_NE(at_dereg, local);        // it was stopped midway...
+  EXPECT_EQ(at_dereg[0], local[0]);  // ...after it had begun
+
+  // A READ whose source is deregistered midway: the rest comes as zeros, the requester gets
+  // a remote access error, and the responder's QP fails as well.
+  Pair q;
+  q.connect();
+  ASSERT_FALSE(HasFatalFailure());
+  std::vector<unsigned char> source = pattern(n, 3);
+  std::vector<unsigned char> sink(n, 0xff);
+  ibv_mr* smr = V().reg_mr(q.server.pd, source.data(), n, kAll);
+  ASSERT_NE(smr, nullptr);
+  ibv_mr* kmr = q.client.reg(sink.data(), n, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_EQ(post_recv(q.server.qp(), 9, {}), 0);
+  ASSERT_EQ(post(q.client.qp(), IBV_WR_RDMA_READ, 2, {sge(sink.data(), n, kmr)},
+                 reinterpret_cast<uint64_t>(source.data()), smr->rkey),
+            0);
+  EXPECT_TRUE(no_wc(q.client.cq, 30));
+  ASSERT_EQ(V().dereg_mr(smr), 0);
+  wc = one_wc(q.client.cq);
+  EXPECT_EQ(wc.status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(sink[0], source[0]);
+  EXPECT_EQ(sink[n - 1], 0);
+  wc = one_wc(q.server.cq);
+  EXPECT_EQ(wc.wr_id, 9u);
+  EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);
+}
+
+TEST(SimverbsFork, ChildDoesNotKeepTheParentsConnectionsOpen) {
+  Pair p;
+  p.connect();
+  ASSERT_FALSE(HasFatalFailure());
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::sleep(5);  // holds whatever fork gave it, without using the simulation
+    _exit(0);
+  }
+  V().destroy_qp(p.server.id);
+  ASSERT_EQ(V().destroy_id(p.server.id), 0);
+  p.server.id = nullptr;
+  // The server's end of the socket is closed here, and the child closed its copies.
+  auto e = next_cm(p.client.ch, 2000);
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->type, RDMA_CM_EVENT_DISCONNECTED);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Across processes: this binary, run again, serves memory.
 
@@ -1227,6 +1307,19 @@ std::string self_exe() {
 }
 
 constexpr std::size_t kServed = 1u << 20;
+
+// Waits until `pid` is stopped by a signal (kill() does not wait for it).
+bool stopped(pid_t pid) {
+  auto until = Clock::now() + 5s;
+  while (Clock::now() < until) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    std::size_t paren = all.rfind(')');
+    if (paren != std::string::npos && paren + 2 < all.size() && all[paren + 2] == 'T') return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
+}
 
 TEST(SimverbsChild, Serve) {
   if (std::getenv("FERRY_SIMVERBS_CHILD") == nullptr)
@@ -1251,7 +1344,13 @@ TEST(SimverbsChild, Serve) {
       std::to_string(mr->rkey));
   std::string line;
   while (std::getline(std::cin, line) && line != "exit") {
-    if (line == "sum") say("sum " + std::to_string(fnv(served.data(), served.size())));
+    if (line != "sum") continue;
+    // Read through the simulation, as the NIC thread wrote (no race with its last write).
+    std::vector<unsigned char> copy(kServed);
+    ASSERT_EQ(sv::inject_access(0, mr->rkey, reinterpret_cast<uint64_t>(served.data()), copy.data(),
+                                copy.size(), false),
+              IBV_WC_SUCCESS);
+    say("sum " + std::to_string(fnv(copy.data(), copy.size())));
   }
 }
 
@@ -1308,6 +1407,7 @@ TEST(SimverbsCrossProcess, ServedMemoryAndRealPeerDeath) {
 
   // The child stops answering, then dies.
   child.kill(SIGSTOP);
+  ASSERT_TRUE(stopped(child.pid()));
   ASSERT_EQ(post(client.qp(), IBV_WR_RDMA_READ, 3, {sge(local.data(), 4096, lmr)}, raddr, rkey), 0);
   ASSERT_EQ(post_recv(client.qp(), 4, {}), 0);
   EXPECT_TRUE(no_wc(client.cq, 100));
