@@ -59,10 +59,10 @@ class Verbs : public ::testing::Test {
   static ChildProcess child(const std::string& name, std::uint64_t rate_mbps = 0) {
     auto config = test::simverbs::current_config();
     config.rate_mbps = rate_mbps;
-    return ChildProcess(test::peer_command({name}),
-                        {std::string(test::kSimVerbsEnv) + "=1",
-                         "FERRY_SIMVERBS=" + test::simverbs::to_string(config),
-                         "FERRY_TRANSPORTS=tcp,verbs"});
+    return ChildProcess(
+        test::peer_command({name}),
+        {std::string(test::kSimVerbsEnv) + "=1",
+         "FERRY_SIMVERBS=" + test::simverbs::to_string(config), "FERRY_TRANSPORTS=tcp,verbs"});
   }
 };
 
@@ -174,8 +174,11 @@ TEST(VerbsHere, WithoutADeviceVerbsIsAbsentWithItsReason) {
               verbs->detail.find("lib") != std::string::npos)
       << verbs->detail;
   Connector us(options("plain"));
-  for (const MethodInfo& m : us.methods())
-    if (m.method == "verbs") EXPECT_FALSE(m.available) << m.detail;
+  for (const MethodInfo& m : us.methods()) {
+    if (m.method == "verbs") {
+      EXPECT_FALSE(m.available) << m.detail;
+    }
+  }
 }
 
 }  // namespace

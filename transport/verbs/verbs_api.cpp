@@ -121,75 +121,134 @@ const VerbsApi* system_verbs(std::string* why) {
 
 const char* wc_status_text(ibv_wc_status status) {
   switch (status) {
-    case IBV_WC_SUCCESS: return "success";
-    case IBV_WC_LOC_LEN_ERR: return "local length error";
-    case IBV_WC_LOC_QP_OP_ERR: return "local queue pair operation error";
-    case IBV_WC_LOC_EEC_OP_ERR: return "local EE context operation error";
-    case IBV_WC_LOC_PROT_ERR: return "local protection error";
-    case IBV_WC_WR_FLUSH_ERR: return "flushed (the queue pair was in error)";
-    case IBV_WC_MW_BIND_ERR: return "memory window bind error";
-    case IBV_WC_BAD_RESP_ERR: return "bad response";
-    case IBV_WC_LOC_ACCESS_ERR: return "local access error";
-    case IBV_WC_REM_INV_REQ_ERR: return "remote invalid request";
-    case IBV_WC_REM_ACCESS_ERR: return "remote access error";
-    case IBV_WC_REM_OP_ERR: return "remote operation error";
-    case IBV_WC_RETRY_EXC_ERR: return "transport retry counter exceeded";
-    case IBV_WC_RNR_RETRY_EXC_ERR: return "receiver-not-ready retry counter exceeded";
-    case IBV_WC_LOC_RDD_VIOL_ERR: return "local RDD violation";
-    case IBV_WC_REM_INV_RD_REQ_ERR: return "remote invalid RD request";
-    case IBV_WC_REM_ABORT_ERR: return "remote aborted";
-    case IBV_WC_INV_EECN_ERR: return "invalid EE context number";
-    case IBV_WC_INV_EEC_STATE_ERR: return "invalid EE context state";
-    case IBV_WC_FATAL_ERR: return "fatal error";
-    case IBV_WC_RESP_TIMEOUT_ERR: return "response timeout";
-    case IBV_WC_GENERAL_ERR: return "general error";
-    default: return "unknown completion status";
+    case IBV_WC_SUCCESS:
+      return "success";
+    case IBV_WC_LOC_LEN_ERR:
+      return "local length error";
+    case IBV_WC_LOC_QP_OP_ERR:
+      return "local queue pair operation error";
+    case IBV_WC_LOC_EEC_OP_ERR:
+      return "local EE context operation error";
+    case IBV_WC_LOC_PROT_ERR:
+      return "local protection error";
+    case IBV_WC_WR_FLUSH_ERR:
+      return "flushed (the queue pair was in error)";
+    case IBV_WC_MW_BIND_ERR:
+      return "memory window bind error";
+    case IBV_WC_BAD_RESP_ERR:
+      return "bad response";
+    case IBV_WC_LOC_ACCESS_ERR:
+      return "local access error";
+    case IBV_WC_REM_INV_REQ_ERR:
+      return "remote invalid request";
+    case IBV_WC_REM_ACCESS_ERR:
+      return "remote access error";
+    case IBV_WC_REM_OP_ERR:
+      return "remote operation error";
+    case IBV_WC_RETRY_EXC_ERR:
+      return "transport retry counter exceeded";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return "receiver-not-ready retry counter exceeded";
+    case IBV_WC_LOC_RDD_VIOL_ERR:
+      return "local RDD violation";
+    case IBV_WC_REM_INV_RD_REQ_ERR:
+      return "remote invalid RD request";
+    case IBV_WC_REM_ABORT_ERR:
+      return "remote aborted";
+    case IBV_WC_INV_EECN_ERR:
+      return "invalid EE context number";
+    case IBV_WC_INV_EEC_STATE_ERR:
+      return "invalid EE context state";
+    case IBV_WC_FATAL_ERR:
+      return "fatal error";
+    case IBV_WC_RESP_TIMEOUT_ERR:
+      return "response timeout";
+    case IBV_WC_GENERAL_ERR:
+      return "general error";
+    default:
+      return "unknown completion status";
   }
 }
 
 const char* async_event_text(ibv_event_type type) {
   switch (type) {
-    case IBV_EVENT_CQ_ERR: return "completion queue error";
-    case IBV_EVENT_QP_FATAL: return "queue pair fatal error";
-    case IBV_EVENT_QP_REQ_ERR: return "queue pair invalid request";
-    case IBV_EVENT_QP_ACCESS_ERR: return "queue pair access error";
-    case IBV_EVENT_COMM_EST: return "communication established";
-    case IBV_EVENT_SQ_DRAINED: return "send queue drained";
-    case IBV_EVENT_PATH_MIG: return "path migrated";
-    case IBV_EVENT_PATH_MIG_ERR: return "path migration error";
-    case IBV_EVENT_DEVICE_FATAL: return "device fatal error";
-    case IBV_EVENT_PORT_ACTIVE: return "port active";
-    case IBV_EVENT_PORT_ERR: return "port down";
-    case IBV_EVENT_LID_CHANGE: return "LID changed";
-    case IBV_EVENT_PKEY_CHANGE: return "P_Key table changed";
-    case IBV_EVENT_SM_CHANGE: return "subnet manager changed";
-    case IBV_EVENT_SRQ_ERR: return "shared receive queue error";
-    case IBV_EVENT_SRQ_LIMIT_REACHED: return "shared receive queue limit reached";
-    case IBV_EVENT_QP_LAST_WQE_REACHED: return "last work request reached";
-    case IBV_EVENT_CLIENT_REREGISTER: return "client re-register request";
-    case IBV_EVENT_GID_CHANGE: return "GID table changed";
-    case IBV_EVENT_WQ_FATAL: return "work queue fatal error";
-    default: return "unknown async event";
+    case IBV_EVENT_CQ_ERR:
+      return "completion queue error";
+    case IBV_EVENT_QP_FATAL:
+      return "queue pair fatal error";
+    case IBV_EVENT_QP_REQ_ERR:
+      return "queue pair invalid request";
+    case IBV_EVENT_QP_ACCESS_ERR:
+      return "queue pair access error";
+    case IBV_EVENT_COMM_EST:
+      return "communication established";
+    case IBV_EVENT_SQ_DRAINED:
+      return "send queue drained";
+    case IBV_EVENT_PATH_MIG:
+      return "path migrated";
+    case IBV_EVENT_PATH_MIG_ERR:
+      return "path migration error";
+    case IBV_EVENT_DEVICE_FATAL:
+      return "device fatal error";
+    case IBV_EVENT_PORT_ACTIVE:
+      return "port active";
+    case IBV_EVENT_PORT_ERR:
+      return "port down";
+    case IBV_EVENT_LID_CHANGE:
+      return "LID changed";
+    case IBV_EVENT_PKEY_CHANGE:
+      return "P_Key table changed";
+    case IBV_EVENT_SM_CHANGE:
+      return "subnet manager changed";
+    case IBV_EVENT_SRQ_ERR:
+      return "shared receive queue error";
+    case IBV_EVENT_SRQ_LIMIT_REACHED:
+      return "shared receive queue limit reached";
+    case IBV_EVENT_QP_LAST_WQE_REACHED:
+      return "last work request reached";
+    case IBV_EVENT_CLIENT_REREGISTER:
+      return "client re-register request";
+    case IBV_EVENT_GID_CHANGE:
+      return "GID table changed";
+    case IBV_EVENT_WQ_FATAL:
+      return "work queue fatal error";
+    default:
+      return "unknown async event";
   }
 }
 
 const char* cm_event_text(rdma_cm_event_type type) {
   switch (type) {
-    case RDMA_CM_EVENT_ADDR_RESOLVED: return "address resolved";
-    case RDMA_CM_EVENT_ADDR_ERROR: return "address resolution failed";
-    case RDMA_CM_EVENT_ROUTE_RESOLVED: return "route resolved";
-    case RDMA_CM_EVENT_ROUTE_ERROR: return "route resolution failed";
-    case RDMA_CM_EVENT_CONNECT_REQUEST: return "connect request";
-    case RDMA_CM_EVENT_CONNECT_RESPONSE: return "connect response";
-    case RDMA_CM_EVENT_CONNECT_ERROR: return "connection error";
-    case RDMA_CM_EVENT_UNREACHABLE: return "peer unreachable";
-    case RDMA_CM_EVENT_REJECTED: return "connection rejected";
-    case RDMA_CM_EVENT_ESTABLISHED: return "connection established";
-    case RDMA_CM_EVENT_DISCONNECTED: return "disconnected";
-    case RDMA_CM_EVENT_DEVICE_REMOVAL: return "device removed";
-    case RDMA_CM_EVENT_TIMEWAIT_EXIT: return "timewait exit";
-    case RDMA_CM_EVENT_ADDR_CHANGE: return "address changed";
-    default: return "unknown rdma_cm event";
+    case RDMA_CM_EVENT_ADDR_RESOLVED:
+      return "address resolved";
+    case RDMA_CM_EVENT_ADDR_ERROR:
+      return "address resolution failed";
+    case RDMA_CM_EVENT_ROUTE_RESOLVED:
+      return "route resolved";
+    case RDMA_CM_EVENT_ROUTE_ERROR:
+      return "route resolution failed";
+    case RDMA_CM_EVENT_CONNECT_REQUEST:
+      return "connect request";
+    case RDMA_CM_EVENT_CONNECT_RESPONSE:
+      return "connect response";
+    case RDMA_CM_EVENT_CONNECT_ERROR:
+      return "connection error";
+    case RDMA_CM_EVENT_UNREACHABLE:
+      return "peer unreachable";
+    case RDMA_CM_EVENT_REJECTED:
+      return "connection rejected";
+    case RDMA_CM_EVENT_ESTABLISHED:
+      return "connection established";
+    case RDMA_CM_EVENT_DISCONNECTED:
+      return "disconnected";
+    case RDMA_CM_EVENT_DEVICE_REMOVAL:
+      return "device removed";
+    case RDMA_CM_EVENT_TIMEWAIT_EXIT:
+      return "timewait exit";
+    case RDMA_CM_EVENT_ADDR_CHANGE:
+      return "address changed";
+    default:
+      return "unknown rdma_cm event";
   }
 }
 

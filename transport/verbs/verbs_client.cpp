@@ -121,8 +121,8 @@ void VerbsTransport::on_reply(Conn& conn, const tcp::FrameHeader& h, std::string
   const std::string who = "peer '" + t->spec.peer_name + "'";
   if (h.type == tcp::FrameType::status && h.status != 0) {
     const ErrorCode code = tcp::code_from_wire(h.status);
-    finish_transfer(*t, Error(code, who + " refused: " +
-                                        (msg.empty() ? std::string(to_string(code)) : msg)));
+    finish_transfer(
+        *t, Error(code, who + " refused: " + (msg.empty() ? std::string(to_string(code)) : msg)));
     return;
   }
   if (p.done) {
@@ -152,9 +152,8 @@ void VerbsTransport::on_notice(Conn& conn, const tcp::FrameHeader& h, const std:
   const ErrorCode code = tcp::code_from_wire(h.status);
   for (auto& [tid, t] : transfers_) {
     if (t->conn != conn.id || t->finished || t->spec.remote_id != h.op_id) continue;
-    t->ended_by_owner =
-        Error(code, "peer '" + t->spec.peer_name + "' ended the operation: " +
-                        (msg.empty() ? std::string(to_string(code)) : msg));
+    t->ended_by_owner = Error(code, "peer '" + t->spec.peer_name + "' ended the operation: " +
+                                        (msg.empty() ? std::string(to_string(code)) : msg));
   }
   std::vector<std::uint64_t> now;
   for (auto& [tid, t] : transfers_)
@@ -215,8 +214,8 @@ bool VerbsTransport::post_some(Conn& conn, VerbsTransfer& t) {
       const auto* set = static_cast<const MrSet*>(t.regs[t.seg]->handle.get());
       ibv_mr* mr = set == nullptr ? nullptr : set->find(dev.ctx, local, room);
       if (mr == nullptr) {
-        finish_transfer(t, Error(ErrorCode::Internal, "local memory not registered on " +
-                                                          dev.name));
+        finish_transfer(t,
+                        Error(ErrorCode::Internal, "local memory not registered on " + dev.name));
         return false;
       }
       take = std::min({take, room, std::uint64_t{1} << 31});
@@ -278,8 +277,8 @@ void VerbsTransport::wr_done(Conn& conn, std::uint64_t tid, const ibv_wc* error)
       finish_transfer(t, t.ended_by_owner);
       return;
     }
-    std::string text = std::string(op) + " peer '" + t.spec.peer_name + "' failed: " +
-                       why_failed(conn, error->status);
+    std::string text = std::string(op) + " peer '" + t.spec.peer_name +
+                       "' failed: " + why_failed(conn, error->status);
     if (error->status == IBV_WC_REM_ACCESS_ERR)
       text += " (the owner ended the operation, or its key is no longer valid)";
     finish_transfer(t, Error(code_of(error->status), text));

@@ -46,8 +46,8 @@ ibv_mr* MrSet::find(const ibv_context* ctx, std::uint64_t addr, std::uint64_t& r
 }
 
 std::shared_ptr<MrSet> register_pieces(const std::vector<std::shared_ptr<DevicePd>>& pds,
-                                       const std::vector<std::uint64_t>& max_mr,
-                                       std::uint64_t addr, std::uint64_t len, int access) {
+                                       const std::vector<std::uint64_t>& max_mr, std::uint64_t addr,
+                                       std::uint64_t len, int access) {
   auto set = std::make_shared<MrSet>();
   set->base = addr;
   set->size = len;
@@ -55,7 +55,8 @@ std::shared_ptr<MrSet> register_pieces(const std::vector<std::shared_ptr<DeviceP
     MrSet::OnDevice d;
     d.pd = pds[i];
     // Pieces of whole pages below the device's limit (a limit of 0 means none).
-    std::uint64_t piece = max_mr[i] == 0 ? len : std::max<std::uint64_t>(max_mr[i] & ~4095ull, 4096);
+    std::uint64_t piece =
+        max_mr[i] == 0 ? len : std::max<std::uint64_t>(max_mr[i] & ~4095ull, 4096);
     d.piece = std::max<std::uint64_t>(piece, 1);
     for (std::uint64_t at = 0; at < len; at += d.piece) {
       const std::uint64_t n = std::min(d.piece, len - at);
@@ -88,8 +89,8 @@ std::shared_ptr<void> VerbsTransport::register_region(const Region& region) {
   // through a window bound for its claim (or a registration of the operation's own).
   int access = IBV_ACCESS_LOCAL_WRITE;
   if (windows) access |= IBV_ACCESS_MW_BIND;
-  auto set = register_pieces(pds, limits, reinterpret_cast<std::uint64_t>(region.ptr),
-                             region.size, access);
+  auto set = register_pieces(pds, limits, reinterpret_cast<std::uint64_t>(region.ptr), region.size,
+                             access);
   for (const auto& d : set->devices) counters_.registrations += d.mrs.size();
   return set;
 }
@@ -102,8 +103,8 @@ std::shared_ptr<const Registration> VerbsTransport::register_memory(const Region
 }
 
 bool VerbsTransport::uses_memory_windows() const noexcept {
-  return !devices_.empty() && std::all_of(devices_.begin(), devices_.end(),
-                                          [](const auto& d) { return d->windows; });
+  return !devices_.empty() &&
+         std::all_of(devices_.begin(), devices_.end(), [](const auto& d) { return d->windows; });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -312,8 +313,8 @@ void VerbsTransport::async_ready(Device& dev) {
       case IBV_EVENT_PORT_ERR:
         why = dev.name + " port " + std::to_string(ev.element.port_num) + " went down";
         for (auto& [id, c] : conns_)
-          if (c->dev == &dev && (c->cm == nullptr || c->cm->port_num == 0 ||
-                                 c->cm->port_num == ev.element.port_num))
+          if (c->dev == &dev &&
+              (c->cm == nullptr || c->cm->port_num == 0 || c->cm->port_num == ev.element.port_num))
             hit.push_back(id);
         if (ev.element.port_num >= 1 && ev.element.port_num <= static_cast<int>(dev.ports.size()))
           dev.ports[ev.element.port_num - 1].state = IBV_PORT_DOWN;

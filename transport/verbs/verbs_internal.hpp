@@ -63,8 +63,8 @@ struct MrSet {
 };
 /// Registers [addr, addr + len) on `pd` in pieces; throws Error naming the device's refusal.
 std::shared_ptr<MrSet> register_pieces(const std::vector<std::shared_ptr<DevicePd>>& pds,
-                                       const std::vector<std::uint64_t>& max_mr,
-                                       std::uint64_t addr, std::uint64_t len, int access);
+                                       const std::vector<std::uint64_t>& max_mr, std::uint64_t addr,
+                                       std::uint64_t len, int access);
 
 /// One RDMA device as rdma_cm opened it, with what the transport keeps on it.
 struct Device {
@@ -134,7 +134,7 @@ struct Conn {
   std::uint64_t next_seq = 1;
   std::deque<Posted> posted;
   unsigned since_signal = 0;
-  std::deque<std::uint64_t> ready;    ///< transfers with data work requests to post
+  std::deque<std::uint64_t> ready;     ///< transfers with data work requests to post
   std::vector<std::uint64_t> waiting;  ///< transfers waiting for the connection to be up
   loop::Timer timer;                   ///< connect deadline; then the flush deadline
 
@@ -149,9 +149,9 @@ struct Served {
   Access access = Access::read;
   std::vector<Region> spans;
   std::vector<std::shared_ptr<const Registration>> regs;  ///< cache registrations of the spans
-  std::vector<std::shared_ptr<MrSet>> own;  ///< registrations of its own (no windows)
-  std::vector<ibv_mw*> mws;                 ///< windows bound for its claimant
-  std::uint64_t conn = 0;                   ///< the claimant's connection
+  std::vector<std::shared_ptr<MrSet>> own;                ///< registrations of its own (no windows)
+  std::vector<ibv_mw*> mws;                               ///< windows bound for its claimant
+  std::uint64_t conn = 0;                                 ///< the claimant's connection
   std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  ///< claimed (addr, len)
   std::vector<Window> windows;
 };

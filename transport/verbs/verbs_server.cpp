@@ -30,9 +30,8 @@ std::string VerbsTransport::expose(const Exposure& exposure, ExposureObserver& o
         const int access = exposure.access == Access::read
                                ? IBV_ACCESS_REMOTE_READ
                                : IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
-        served->own.push_back(register_pieces(pds, limits,
-                                              reinterpret_cast<std::uint64_t>(span.ptr),
-                                              span.size, access));
+        served->own.push_back(register_pieces(
+            pds, limits, reinterpret_cast<std::uint64_t>(span.ptr), span.size, access));
         for (const auto& d : served->own.back()->devices) counters_.registrations += d.mrs.size();
       }
     }
@@ -65,8 +64,7 @@ void VerbsTransport::end_served(std::uint64_t id) {
   served_.erase(it);
   if (Conn* conn = s->conn == 0 ? nullptr : conn_of(s->conn)) {
     std::erase_if(conn->outbox, [&](const CtlItem& item) {
-      return item.mw != nullptr &&
-             std::find(s->mws.begin(), s->mws.end(), item.mw) != s->mws.end();
+      return item.mw != nullptr && std::find(s->mws.begin(), s->mws.end(), item.mw) != s->mws.end();
     });
   }
   // revoke()'s promise: deallocating a window (deregistering a region) returns only when no
@@ -138,8 +136,8 @@ void VerbsTransport::serve_claim(Conn& conn, const tcp::FrameHeader& h,
   for (std::size_t i = 0; i < served.spans.size() && failure.empty(); ++i) {
     const Region& span = served.spans[i];
     const auto base = reinterpret_cast<std::uint64_t>(span.ptr);
-    const auto* set = windows ? static_cast<const MrSet*>(served.regs[i]->handle.get())
-                              : served.own[i].get();
+    const auto* set =
+        windows ? static_cast<const MrSet*>(served.regs[i]->handle.get()) : served.own[i].get();
     for (std::uint64_t addr = base; addr < base + span.size;) {
       std::uint64_t room = 0;
       ibv_mr* mr = set->find(conn.dev->ctx, addr, room);

@@ -25,7 +25,9 @@ const VerbsApi& pick(const VerbsApi* api) {
 }
 
 void* id_ptr(std::uint64_t id) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id)); }
-std::uint64_t ptr_id(void* p) { return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)); }
+std::uint64_t ptr_id(void* p) {
+  return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p));
+}
 
 }  // namespace
 
@@ -43,8 +45,7 @@ VerbsTransport::VerbsTransport(uv_loop_t* loop, Defer defer, Options options)
   if (options_.queue_depth < 4 || options_.signal_every == 0 || options_.max_wr_bytes == 0)
     throw Error(ErrorCode::InvalidArgument,
                 "verbs.queue_depth must be at least 4, signal_every and max_wr_bytes positive");
-  registrations_ =
-      RegistrationCache([this](const Region& r) { return register_region(r); });
+  registrations_ = RegistrationCache([this](const Region& r) { return register_region(r); });
 
   tcp::SocketAddress bind;
   if (!tcp::SocketAddress::from_parts(options_.bind_address, options_.port, bind))
@@ -53,8 +54,8 @@ VerbsTransport::VerbsTransport(uv_loop_t* loop, Defer defer, Options options)
   open_devices();
   watchdog_ = loop::Timer::timer(loop_, this);
   cm_channel_ = api_.create_event_channel();
-  if (cm_channel_ == nullptr || ::fcntl(cm_channel_->fd, F_SETFL,
-                                        ::fcntl(cm_channel_->fd, F_GETFL) | O_NONBLOCK) != 0) {
+  if (cm_channel_ == nullptr ||
+      ::fcntl(cm_channel_->fd, F_SETFL, ::fcntl(cm_channel_->fd, F_GETFL) | O_NONBLOCK) != 0) {
     close();
     throw Error(ErrorCode::Unsupported, "verbs: cannot make an rdma_cm event channel");
   }
@@ -67,8 +68,8 @@ VerbsTransport::VerbsTransport(uv_loop_t* loop, Defer defer, Options options)
       api_.listen(listener_, 128) != 0) {
     const int err = errno;
     close();
-    throw Error(ErrorCode::Unsupported, "verbs: rdma_cm cannot listen on " + bind.to_string() +
-                                            ": " + std::strerror(err));
+    throw Error(ErrorCode::Unsupported,
+                "verbs: rdma_cm cannot listen on " + bind.to_string() + ": " + std::strerror(err));
   }
   const std::uint16_t port = ntohs(api_.get_src_port(listener_));
   tcp::SocketAddress at;
@@ -164,8 +165,9 @@ void VerbsTransport::cm_ready() {
     if (copy.event == RDMA_CM_EVENT_CONNECT_REQUEST) {
       // The new id is ours to accept or reject; handle it before the ack.
       copy.param.conn.private_data = priv.data();
-      on_connect_request(copy);
+      rdma_cm_id* refused = on_connect_request(copy);
       api_.ack_cm_event(ev);
+      if (refused != nullptr) api_.destroy_id(refused);  // only after the ack: it waits for it
       continue;
     }
     api_.ack_cm_event(ev);
@@ -187,8 +189,8 @@ void VerbsTransport::cm_event(rdma_cm_event& ev) {
         return;
       }
       if (api_.resolve_route(conn->cm, kResolveMs) != 0)
-        fail_conn(*conn, ErrorCode::PeerLost, std::string("rdma_resolve_route: ") +
-                                                  std::strerror(errno), true);
+        fail_conn(*conn, ErrorCode::PeerLost,
+                  std::string("rdma_resolve_route: ") + std::strerror(errno), true);
       return;
     }
     case RDMA_CM_EVENT_ROUTE_RESOLVED: {
@@ -202,16 +204,16 @@ void VerbsTransport::cm_event(rdma_cm_event& ev) {
       rdma_conn_param param{};
       param.private_data = &priv;
       param.private_data_len = sizeof priv;
-      param.responder_resources = static_cast<std::uint8_t>(
-          std::min(16, std::max(1, conn->dev->attr.max_qp_rd_atom)));
-      param.initiator_depth = static_cast<std::uint8_t>(
-          std::min(16, std::max(1, conn->dev->attr.max_qp_init_rd_atom)));
+      param.responder_resources =
+          static_cast<std::uint8_t>(std::min(16, std::max(1, conn->dev->attr.max_qp_rd_atom)));
+      param.initiator_depth =
+          static_cast<std::uint8_t>(std::min(16, std::max(1, conn->dev->attr.max_qp_init_rd_atom)));
       param.retry_count = 7;
       param.rnr_retry_count = 7;  // a peer short of receive buffers is waited for
       conn->state = Conn::State::connecting;
       if (api_.connect(conn->cm, &param) != 0)
-        fail_conn(*conn, ErrorCode::PeerLost, std::string("rdma_connect: ") +
-                                                  std::strerror(errno), true);
+        fail_conn(*conn, ErrorCode::PeerLost, std::string("rdma_connect: ") + std::strerror(errno),
+                  true);
       return;
     }
     case RDMA_CM_EVENT_ESTABLISHED:
@@ -233,19 +235,17 @@ void VerbsTransport::cm_event(rdma_cm_event& ev) {
   }
 }
 
-void VerbsTransport::on_connect_request(rdma_cm_event& ev) {
+rdma_cm_id* VerbsTransport::on_connect_request(rdma_cm_event& ev) {
   rdma_cm_id* id = ev.id;
   CmPrivate priv;
   if (ev.param.conn.private_data_len < sizeof priv) {
     api_.reject(id, nullptr, 0);
-    api_.destroy_id(id);
-    return;
+    return id;
   }
   std::memcpy(&priv, ev.param.conn.private_data, sizeof priv);
   if (priv.magic != kCmMagic || priv.version != 1 || closed_) {
     api_.reject(id, nullptr, 0);
-    api_.destroy_id(id);
-    return;
+    return id;
   }
   auto conn = std::make_shared<Conn>();
   conn->owner = this;
@@ -261,7 +261,7 @@ void VerbsTransport::on_connect_request(rdma_cm_event& ev) {
   if (conn->dev == nullptr || !make_qp(*conn, why)) {
     api_.reject(id, nullptr, 0);
     fail_conn(*conn, ErrorCode::Internal, why);
-    return;
+    return nullptr;
   }
   CmPrivate mine;
   mine.id = options_.local_id;
@@ -276,6 +276,7 @@ void VerbsTransport::on_connect_request(rdma_cm_event& ev) {
   param.rnr_retry_count = 7;
   if (api_.accept(id, &param) != 0)
     fail_conn(*conn, ErrorCode::PeerLost, std::string("rdma_accept: ") + std::strerror(errno));
+  return nullptr;
 }
 
 bool VerbsTransport::make_qp(Conn& conn, std::string& why) {
@@ -297,8 +298,8 @@ bool VerbsTransport::make_qp(Conn& conn, std::string& why) {
   conn.qp_num = conn.qp->qp_num;
   by_qp_[conn.qp_num] = conn.id;
   conn.bufs.resize(static_cast<std::size_t>(kRecvSlots + kSendSlots) * kCtlBytes);
-  conn.bufs_mr = api_.reg_mr(dev.pd->pd, conn.bufs.data(), conn.bufs.size(),
-                             IBV_ACCESS_LOCAL_WRITE);
+  conn.bufs_mr =
+      api_.reg_mr(dev.pd->pd, conn.bufs.data(), conn.bufs.size(), IBV_ACCESS_LOCAL_WRITE);
   if (conn.bufs_mr == nullptr) {
     why = std::string("cannot register control buffers: ") + std::strerror(errno);
     return false;
@@ -392,8 +393,7 @@ std::shared_ptr<Conn> VerbsTransport::link_to(const std::string& address, std::s
         auto* c = static_cast<Conn*>(t->data);
         if (c == nullptr) return;
         loop::guarded("verbs connect deadline", [c] {
-          c->owner->fail_conn(*c, ErrorCode::PeerLost, "no connection within the deadline",
-                              true);
+          c->owner->fail_conn(*c, ErrorCode::PeerLost, "no connection within the deadline", true);
         });
       },
       static_cast<std::uint64_t>(options_.peer_timeout.count()) * 2, 0);
@@ -460,6 +460,14 @@ void VerbsTransport::destroy_conn(std::uint64_t id) {
   conn->outbox.clear();  // windows not yet bound belong to their exposures
   if (conn->qp != nullptr) api_.destroy_qp(conn->cm);
   conn->qp = nullptr;
+  // With the queue pair gone, none of its work requests is outstanding any more, whether or
+  // not their flushed completions were seen.
+  for (const Posted& p : conn->posted) {
+    if (p.transfer == 0) continue;
+    auto t = transfers_.find(p.transfer);
+    if (t != transfers_.end() && t->second->outstanding > 0) --t->second->outstanding;
+  }
+  conn->posted.clear();
   if (conn->bufs_mr != nullptr) api_.dereg_mr(conn->bufs_mr);
   conn->bufs_mr = nullptr;
   if (conn->cm != nullptr) api_.destroy_id(conn->cm);

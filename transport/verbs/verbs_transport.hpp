@@ -120,7 +120,9 @@ class VerbsTransport final : public Transport {
   static void on_cm(uv_poll_t* handle, int status, int events);
   void cm_ready();
   void cm_event(rdma_cm_event& event);
-  void on_connect_request(rdma_cm_event& event);
+  /// Accepts a peer's connection, or rejects it and returns the id to destroy once the event
+  /// is acknowledged.
+  rdma_cm_id* on_connect_request(rdma_cm_event& event);
   void on_established(Conn& conn, const rdma_cm_event& event);
   /// Makes the QP of `conn` on its device and posts its receive buffers; false (with why).
   bool make_qp(Conn& conn, std::string& why);
@@ -186,8 +188,8 @@ class VerbsTransport final : public Transport {
   std::uint64_t next_req_ = 1;
   std::uint64_t next_transfer_ = 1;
   std::unordered_map<std::uint64_t, std::shared_ptr<Conn>> conns_;
-  std::unordered_map<std::uint32_t, std::uint64_t> by_qp_;               // qp_num -> conn
-  std::unordered_map<std::string, std::uint64_t> links_;                 // address -> conn
+  std::unordered_map<std::uint32_t, std::uint64_t> by_qp_;  // qp_num -> conn
+  std::unordered_map<std::string, std::uint64_t> links_;    // address -> conn
   /// Requests awaiting an answer, by request id.
   struct Pending {
     std::uint64_t transfer = 0;

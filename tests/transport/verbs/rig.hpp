@@ -36,9 +36,8 @@ struct Side {
     o.peer_timeout = 3s;
     if (tune) tune(o);
     transport = loop.call([&] {
-      return std::make_unique<VerbsTransport>(loop.uv(), [this](std::function<void()> f) {
-        loop.defer(std::move(f));
-      }, o);
+      return std::make_unique<VerbsTransport>(
+          loop.uv(), [this](std::function<void()> f) { loop.defer(std::move(f)); }, o);
     });
   }
   ~Side() {
@@ -110,8 +109,8 @@ inline Offered expose(Side& owner, Access access, std::byte* bytes, std::size_t 
   return s;
 }
 
-inline std::unique_ptr<Transfer> start(Side& active, const Offered& s, std::byte* local, std::size_t size,
-                                Log& log) {
+inline std::unique_ptr<Transfer> start(Side& active, const Offered& s, std::byte* local,
+                                       std::size_t size, Log& log) {
   TransferSpec spec;
   spec.remote_id = s.exposure.id;
   spec.token = s.exposure.token;

@@ -1323,7 +1323,8 @@ bool stopped(pid_t pid) {
 
 TEST(SimverbsChild, Serve) {
   if (std::getenv("FERRY_SIMVERBS_CHILD") == nullptr)
-    GTEST_SKIP() << "the served side of SimverbsCrossProcess; runs only as its child";
+    GTEST_SKIP() << "the served side of SimverbsCrossProcess; runs only as its child (not a "
+                    "ctest entry)";
   auto say = [](const std::string& s) {
     std::printf("SIM %s\n", s.c_str());
     std::fflush(stdout);

@@ -29,9 +29,9 @@ std::string device_address(std::string& why) {
   return addr;
 }
 
-#define SKIP_WITHOUT_DEVICE(addr)                                 \
-  std::string why_;                                               \
-  const std::string addr = device_address(why_);                  \
+#define SKIP_WITHOUT_DEVICE(addr)                \
+  std::string why_;                              \
+  const std::string addr = device_address(why_); \
   if (addr.empty()) GTEST_SKIP() << "no RDMA device: " << why_
 
 class RealDevice : public ::testing::TestWithParam<Access> {};

@@ -19,8 +19,8 @@
 #include "loop/event_loop.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/simverbs/simverbs.hpp"
-#include "transport/exposure_table.hpp"
 #include "tests/transport/verbs/rig.hpp"
+#include "transport/exposure_table.hpp"
 #include "transport/verbs/verbs_transport.hpp"
 
 namespace ferry::transport::verbs {
