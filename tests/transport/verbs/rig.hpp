@@ -52,7 +52,8 @@ struct Side {
   }
 };
 
-/// Records how things ended, for either kind of observer.
+/// Records how things ended, for either kind of observer. It must outlive the loop that calls
+/// it: wait for its end (or close the side) before it goes.
 class Log : public ExposureObserver, public TransferObserver {
  public:
   void on_claimed(const Claim&) override {}

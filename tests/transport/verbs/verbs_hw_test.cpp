@@ -6,11 +6,19 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <ostream>
 #include <string>
 #include <vector>
 
 #include "tests/support/patterns.hpp"
 #include "tests/transport/verbs/rig.hpp"
+
+namespace ferry::transport {
+// gtest prints a parameter by this, not as bytes.
+inline void PrintTo(Access access, std::ostream* os) {
+  *os << (access == Access::read ? "read" : "write");
+}
+}  // namespace ferry::transport
 
 namespace ferry::transport::verbs {
 namespace {

@@ -252,6 +252,7 @@ TEST_F(Fabric, APortDownErrorsExactlyTheTransfersThroughItAndTheNextOneReconnect
   Offered sa2 = expose(a, Access::read, src_a.data(), kSize, la2);
   auto xa2 = start(active, sa2, dst_a.data(), kSize, ta2);
   expect_ok(ta2, "the transfer after the port came back");
+  expect_ok(la2, "owner A, after the port came back");
   EXPECT_EQ(test::first_mismatch(dst_a.data(), kSize, 1), -1);
   EXPECT_EQ(active.counters().connections, before + 1);
   active.call([&] {
@@ -278,6 +279,7 @@ TEST_F(Fabric, LateEventsAreCoalescedIntoFewWakeups) {
   Offered s = expose(owner, Access::read, src.data(), kSize, ol);
   auto t = start(active, s, dst.data(), kSize, al);
   expect_ok(al, "the read");
+  expect_ok(ol, "the owner");
   EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 3), -1);
   const auto c = active.counters();
   EXPECT_GE(c.completions, 512u) << "one completion per 16 KiB work request";
@@ -304,6 +306,7 @@ TEST_F(Fabric, ALostEventIsRecoveredAndSpuriousOnesAreHarmless) {
   Offered s = expose(owner, Access::read, src.data(), kSize, ol);
   auto t = start(active, s, dst.data(), kSize, al);
   expect_ok(al, "the read despite a lost wakeup");
+  expect_ok(ol, "the owner");
   EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 4), -1);
   EXPECT_GE(active.counters().watchdog_found, 1u) << "who found the completions, then?";
 
@@ -321,6 +324,7 @@ TEST_F(Fabric, ALostEventIsRecoveredAndSpuriousOnesAreHarmless) {
   Offered s2 = expose(owner, Access::read, src.data(), kSize, ol2);
   auto t2 = start(active, s2, dst.data(), kSize, al2);
   expect_ok(al2, "the read after spurious events");
+  expect_ok(ol2, "the owner, after spurious events");
   active.call([&] {
     t.reset();
     t2.reset();
