@@ -1,5 +1,7 @@
 #include "transport/exposures.hpp"
 
+#include <cstring>
+
 namespace ferry::transport {
 
 Exposures::Exposures(std::string method, Defer defer)
@@ -116,6 +118,42 @@ void Exposures::clear() {
   table_ = ExposureTable{};
   extra_.clear();
   life_ = std::make_shared<int>(0);
+}
+
+ExposureTable::Verdict Exposures::check_claim(std::uint64_t id, const Token& token,
+                                              std::uint16_t flags, const void* payload,
+                                              std::size_t bytes, std::uint64_t conn,
+                                              Ranges& ranges) {
+  ExposureTable::Verdict v;
+  v.code = ErrorCode::ProtocolError;
+  if (flags != static_cast<std::uint16_t>(Access::read) &&
+      flags != static_cast<std::uint16_t>(Access::write)) {
+    v.message = "CLAIM names no access kind";
+    return v;
+  }
+  if (bytes == 0 || bytes % 16 != 0) {
+    v.message = "CLAIM carries no ranges";
+    return v;
+  }
+  // Every range the peer will reach must lie inside the operation, for the right kind, with
+  // the right token, and the operation must be nobody else's.
+  const auto* at = static_cast<const std::byte*>(payload);
+  ranges.clear();
+  for (std::size_t i = 0; i + 16 <= bytes; i += 16) {
+    std::uint64_t addr = 0;
+    std::uint64_t len = 0;
+    std::memcpy(&addr, at + i, 8);
+    std::memcpy(&len, at + i + 8, 8);
+    if (len == 0) {
+      v.code = ErrorCode::AccessDenied;
+      v.message = "empty range";
+      return v;
+    }
+    v = table_.check(id, token, static_cast<Access>(flags), addr, len, conn);
+    if (!v.ok()) return v;
+    ranges.emplace_back(addr, len);
+  }
+  return v;
 }
 
 }  // namespace ferry::transport

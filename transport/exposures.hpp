@@ -40,6 +40,16 @@ class Exposures {
     return table_.check(id, token, access, addr, len, conn);
   }
 
+  /// The (addr, len) ranges a claim names.
+  using Ranges = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
+  /// Checks a claim of operation `id` by connection `conn`: the access kind (the frame's
+  /// flags), then every range of `payload` (pairs of 8-byte address and length, as the wire
+  /// carries them) as check() does, none empty. On success the verdict names the entry and
+  /// `ranges` holds the ranges; else the verdict says why.
+  ExposureTable::Verdict check_claim(std::uint64_t id, const Token& token, std::uint16_t flags,
+                                     const void* payload, std::size_t bytes, std::uint64_t conn,
+                                     Ranges& ranges);
+
   /// Binds `entry` to connection `conn` if nobody has claimed it yet, draws the claim's
   /// secret and tells the observer (deferred). Returns the secret when this call claimed it:
   /// the transport hands it to that peer alone.

@@ -101,33 +101,14 @@ tcp::Connection::Sink CmaTransport::serve_frame(tcp::Connection& conn, const tcp
 void CmaTransport::serve_claim(tcp::Connection& conn, const tcp::FrameHeader& h) {
   std::vector<std::byte> buf = std::move(claim_bufs_[conn.id()]);
   claim_bufs_.erase(conn.id());
-  if (h.flags != static_cast<std::uint16_t>(Access::read) &&
-      h.flags != static_cast<std::uint16_t>(Access::write)) {
-    reply_status(conn, h.req_id, ErrorCode::ProtocolError, "CLAIM names no access kind");
+  Exposures::Ranges ranges;
+  auto v =
+      exposures_.check_claim(h.op_id, h.token, h.flags, buf.data(), buf.size(), conn.id(), ranges);
+  if (!v.ok()) {
+    reply_status(conn, h.req_id, v.code, v.message);
     return;
   }
-  const auto access = static_cast<Access>(h.flags);
-  // Every range the peer will copy must lie inside the operation, for the right kind, with the
-  // right token, and the operation must be nobody else's.
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-  Exposures::Entry* entry = nullptr;
-  for (std::size_t at = 0; at + 16 <= buf.size(); at += 16) {
-    std::uint64_t addr = 0;
-    std::uint64_t len = 0;
-    std::memcpy(&addr, buf.data() + at, 8);
-    std::memcpy(&len, buf.data() + at + 8, 8);
-    if (len == 0) {
-      reply_status(conn, h.req_id, ErrorCode::AccessDenied, "empty range");
-      return;
-    }
-    auto v = exposures_.check(h.op_id, h.token, access, addr, len, conn.id());
-    if (!v.ok()) {
-      reply_status(conn, h.req_id, v.code, v.message);
-      return;
-    }
-    entry = v.entry;
-    ranges.emplace_back(addr, len);
-  }
+  Exposures::Entry* entry = v.entry;
   if (claimed_.count(h.op_id) != 0) {
     reply_status(conn, h.req_id, ErrorCode::AccessDenied, "the operation is claimed already");
     return;

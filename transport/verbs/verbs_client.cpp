@@ -107,15 +107,8 @@ void VerbsTransport::on_reply(Conn& conn, const tcp::FrameHeader& h, std::string
   if (t == nullptr || t->finished) {
     // The transfer was cancelled while its claim was on the way: the owner holds the claim
     // for us now, so tell it we are done with an error.
-    if (!p.done && h.type == tcp::FrameType::claimed && conn.state == Conn::State::up) {
-      tcp::FrameHeader d;
-      d.type = tcp::FrameType::done;
-      d.op_id = p.op;
-      d.token = p.token;
-      d.flags = static_cast<std::uint16_t>(p.access);
-      d.status = static_cast<std::uint32_t>(ErrorCode::Cancelled);
-      send_ctl(conn, d, "the transfer was cancelled");
-    }
+    if (!p.done && h.type == tcp::FrameType::claimed && conn.state == Conn::State::up)
+      send_done(conn, p, Error(ErrorCode::Cancelled, "the transfer was cancelled"));
     return;
   }
   const std::string who = "peer '" + t->spec.peer_name + "'";
@@ -292,15 +285,21 @@ void VerbsTransport::wr_done(Conn& conn, std::uint64_t tid, const ibv_wc* error)
   if (!t.all_posted || t.done_sent) return;
   // Every byte is in place (read) or placed before DONE reaches the owner (write).
   t.done_sent = true;
+  t.done_req = next_req_++;
+  pending_[t.done_req] = Pending{t.id, true, t.spec.remote_id, t.spec.token, t.spec.access};
+  send_done(conn, pending_[t.done_req], std::nullopt, t.done_req);
+}
+
+void VerbsTransport::send_done(Conn& conn, const Pending& what, const std::optional<Error>& error,
+                               std::uint64_t req) {
   tcp::FrameHeader h;
   h.type = tcp::FrameType::done;
-  h.req_id = next_req_++;
-  h.op_id = t.spec.remote_id;
-  h.token = t.spec.token;
-  h.flags = static_cast<std::uint16_t>(t.spec.access);
-  t.done_req = h.req_id;
-  pending_[h.req_id] = Pending{t.id, true, t.spec.remote_id, t.spec.token, t.spec.access};
-  send_ctl(conn, h);
+  h.req_id = req;
+  h.op_id = what.op;
+  h.token = what.token;
+  h.flags = static_cast<std::uint16_t>(what.access);
+  if (error) h.status = static_cast<std::uint32_t>(error->code());
+  send_ctl(conn, h, error ? error->message() : std::string());
 }
 
 void VerbsTransport::finish_transfer(VerbsTransfer& t, std::optional<Error> error, bool setup) {
@@ -348,13 +347,7 @@ void VerbsTransport::cancel_transfer(VerbsTransfer& t, const Error& reason) {
   if (conn == nullptr || conn->state != Conn::State::up) return;
   if (t.secret) {
     // The owner hears why, after every request of ours on the same queue pair.
-    tcp::FrameHeader h;
-    h.type = tcp::FrameType::done;
-    h.op_id = t.spec.remote_id;
-    h.token = t.spec.token;
-    h.flags = static_cast<std::uint16_t>(t.spec.access);
-    h.status = static_cast<std::uint32_t>(reason.code());
-    send_ctl(*conn, h, reason.message());
+    send_done(*conn, Pending{t.id, false, t.spec.remote_id, t.spec.token, t.spec.access}, reason);
   }
   // A claim still on the way is answered by on_reply(), which tells the owner then.
 }

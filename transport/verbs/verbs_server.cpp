@@ -90,37 +90,15 @@ void VerbsTransport::reply_status(Conn& conn, std::uint64_t req, ErrorCode code,
 
 void VerbsTransport::serve_claim(Conn& conn, const tcp::FrameHeader& h,
                                  const std::string& payload) {
-  if (h.flags != static_cast<std::uint16_t>(Access::read) &&
-      h.flags != static_cast<std::uint16_t>(Access::write)) {
-    reply_status(conn, h.req_id, ErrorCode::ProtocolError, "CLAIM names no access kind");
+  Exposures::Ranges ranges;
+  auto v = exposures_.check_claim(h.op_id, h.token, h.flags, payload.data(), payload.size(),
+                                  conn.id, ranges);
+  if (!v.ok()) {
+    reply_status(conn, h.req_id, v.code, v.message);
     return;
   }
-  if (payload.empty() || payload.size() % 16 != 0) {
-    reply_status(conn, h.req_id, ErrorCode::ProtocolError, "CLAIM carries no ranges");
-    return;
-  }
+  Exposures::Entry* entry = v.entry;
   const auto access = static_cast<Access>(h.flags);
-  // Every range the peer will reach must lie inside the operation, for the right kind, with
-  // the right token, and the operation must be nobody else's.
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-  Exposures::Entry* entry = nullptr;
-  for (std::size_t at = 0; at + 16 <= payload.size(); at += 16) {
-    std::uint64_t addr = 0;
-    std::uint64_t len = 0;
-    std::memcpy(&addr, payload.data() + at, 8);
-    std::memcpy(&len, payload.data() + at + 8, 8);
-    if (len == 0) {
-      reply_status(conn, h.req_id, ErrorCode::AccessDenied, "empty range");
-      return;
-    }
-    auto v = exposures_.check(h.op_id, h.token, access, addr, len, conn.id);
-    if (!v.ok()) {
-      reply_status(conn, h.req_id, v.code, v.message);
-      return;
-    }
-    entry = v.entry;
-    ranges.emplace_back(addr, len);
-  }
   auto sit = served_.find(h.op_id);
   if (sit == served_.end() || sit->second->conn != 0) {
     reply_status(conn, h.req_id, ErrorCode::AccessDenied, "the operation is claimed already");

@@ -14,6 +14,21 @@ namespace {
 
 constexpr int kResolveMs = 2000;
 
+/// What connect and accept ask of the connection: our private data, RDMA READs in flight
+/// within the device's limits, and retries (a peer short of receive buffers is waited for).
+rdma_conn_param conn_param(const Device& dev, CmPrivate& priv) {
+  rdma_conn_param param{};
+  param.private_data = &priv;
+  param.private_data_len = sizeof priv;
+  param.responder_resources =
+      static_cast<std::uint8_t>(std::min(16, std::max(1, dev.attr.max_qp_rd_atom)));
+  param.initiator_depth =
+      static_cast<std::uint8_t>(std::min(16, std::max(1, dev.attr.max_qp_init_rd_atom)));
+  param.retry_count = 7;
+  param.rnr_retry_count = 7;
+  return param;
+}
+
 /// The table to call: `api`, else the system's; throws Error(Unsupported) when that cannot
 /// be loaded.
 const VerbsApi& pick(const VerbsApi* api) {
@@ -104,12 +119,8 @@ void VerbsTransport::close() {
   }
   transfers_.clear();
   pending_.clear();
-  // Peers' keys die first: no window or registration of ours serves anyone after this.
-  std::vector<std::uint64_t> ids;
-  for (auto& [id, s] : served_) ids.push_back(id);
-  for (std::uint64_t id : ids) end_served(id);
-  exposures_.clear();
-  // Queue pairs to error, then gone: no work request of ours touches memory after this.
+  // Queue pairs to error first: peers see the connection end (not a dead key), and no work
+  // request of ours touches memory after this.
   for (auto& [id, c] : conns_) {
     if (c->state == Conn::State::up && c->cm != nullptr) api_.disconnect(c->cm);
     if (c->qp != nullptr) {
@@ -118,6 +129,11 @@ void VerbsTransport::close() {
       api_.modify_qp(c->qp, &attr, IBV_QP_STATE);
     }
   }
+  // Then the keys die: no window or registration of ours serves anyone after this.
+  std::vector<std::uint64_t> ids;
+  for (auto& [id, s] : served_) ids.push_back(id);
+  for (std::uint64_t id : ids) end_served(id);
+  exposures_.clear();
   for (auto& dev : devices_)
     if (dev->cq != nullptr) drain(*dev);
   std::vector<std::uint64_t> cids;
@@ -201,15 +217,7 @@ void VerbsTransport::cm_event(rdma_cm_event& ev) {
       }
       CmPrivate priv;
       priv.id = options_.local_id;
-      rdma_conn_param param{};
-      param.private_data = &priv;
-      param.private_data_len = sizeof priv;
-      param.responder_resources =
-          static_cast<std::uint8_t>(std::min(16, std::max(1, conn->dev->attr.max_qp_rd_atom)));
-      param.initiator_depth =
-          static_cast<std::uint8_t>(std::min(16, std::max(1, conn->dev->attr.max_qp_init_rd_atom)));
-      param.retry_count = 7;
-      param.rnr_retry_count = 7;  // a peer short of receive buffers is waited for
+      rdma_conn_param param = conn_param(*conn->dev, priv);
       conn->state = Conn::State::connecting;
       if (api_.connect(conn->cm, &param) != 0)
         fail_conn(*conn, ErrorCode::PeerLost, std::string("rdma_connect: ") + std::strerror(errno),
@@ -265,15 +273,7 @@ rdma_cm_id* VerbsTransport::on_connect_request(rdma_cm_event& ev) {
   }
   CmPrivate mine;
   mine.id = options_.local_id;
-  rdma_conn_param param{};
-  param.private_data = &mine;
-  param.private_data_len = sizeof mine;
-  param.responder_resources =
-      static_cast<std::uint8_t>(std::min(16, std::max(1, conn->dev->attr.max_qp_rd_atom)));
-  param.initiator_depth =
-      static_cast<std::uint8_t>(std::min(16, std::max(1, conn->dev->attr.max_qp_init_rd_atom)));
-  param.retry_count = 7;
-  param.rnr_retry_count = 7;
+  rdma_conn_param param = conn_param(*conn->dev, mine);
   if (api_.accept(id, &param) != 0)
     fail_conn(*conn, ErrorCode::PeerLost, std::string("rdma_accept: ") + std::strerror(errno));
   return nullptr;

@@ -162,6 +162,10 @@ class VerbsTransport final : public Transport {
   void pump(Conn& conn);
   bool post_some(Conn& conn, VerbsTransfer& t);
   void wr_done(Conn& conn, std::uint64_t transfer, const ibv_wc* error);
+  struct Pending;
+  /// Sends DONE for the operation `what` names: success, or `error` (then a notice).
+  void send_done(Conn& conn, const Pending& what, const std::optional<Error>& error,
+                 std::uint64_t req = 0);
   void finish_transfer(VerbsTransfer& t, std::optional<Error> error, bool setup = false);
   void cancel_transfer(VerbsTransfer& t, const Error& reason);
   void forget_transfer(VerbsTransfer& t);
