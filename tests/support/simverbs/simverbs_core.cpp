@@ -133,13 +133,28 @@ void wake(int wfd) {
 
 namespace {
 
-bool make_pipe(int* rfd, int* wfd) {
+// Makes a T (Ctx, Chan, EvChan) with the pipe of its `events`; null when no pipe could be made.
+template <class T>
+T* new_piped() {
   int p[2];
-  if (pipe2(p, O_CLOEXEC) != 0) return false;
+  if (pipe2(p, O_CLOEXEC) != 0) return nullptr;
   fcntl(p[1], F_SETFL, fcntl(p[1], F_GETFL) | O_NONBLOCK);
-  *rfd = track(p[0]);
-  *wfd = track(p[1]);
-  return true;
+  T* t = new T;
+  t->events.rfd = track(p[0]);
+  t->events.wfd = track(p[1]);
+  return t;
+}
+
+template <class T>
+void close_pipe(EventPipe<T>& events) {
+  close_fd(events.rfd);
+  close_fd(events.wfd);
+}
+
+template <class T>
+void push_event(EventPipe<T>& events, T e) {
+  events.q.push_back(std::move(e));
+  wake(events.wfd);
 }
 
 // Reads one wakeup byte from `fd` (blocking unless the caller made it non-blocking).
@@ -160,6 +175,14 @@ T* lookup(const std::unordered_map<const void*, T*>& map, const void* key) {
   return it == map.end() ? nullptr : it->second;
 }
 
+// The end of a destroy call: `obj`, found under `key`, goes.
+template <class T>
+int forget(std::unordered_map<const void*, T*>& map, const void* key, T* obj) {
+  map.erase(key);
+  delete obj;
+  return 0;
+}
+
 int fail(int err) {
   errno = err;
   return err;
@@ -167,6 +190,28 @@ int fail(int err) {
 int fail_m1(int err) {
   errno = err;
   return -1;
+}
+std::nullptr_t fail_null(int err) {
+  errno = err;
+  return nullptr;
+}
+
+// The body of the calls that wait for an event: a wakeup byte from `fd`, then (under g_mu)
+// the front event of the queue that `owner()` finds, handed to `take`; EINVAL when the owner
+// is gone. A byte with no event behind it (the event went with its id or CQ): wait again.
+template <class Owner, class Take>
+int take_event(int fd, Owner owner, Take take) {
+  for (;;) {
+    if (!take_byte(fd)) return -1;
+    std::lock_guard lock(g_mu);
+    auto* o = owner();
+    if (o == nullptr) return fail_m1(EINVAL);
+    if (o->events.q.empty()) continue;
+    auto e = o->events.q.front();
+    o->events.q.pop_front();
+    take(e);
+    return 0;
+  }
 }
 
 uint32_t new_index(KeyEnt ent) {
@@ -182,20 +227,15 @@ uint32_t new_index(KeyEnt ent) {
 uint32_t make_key(uint32_t idx) { return idx << 8 | static_cast<uint32_t>(sim().rng() & 0xff); }
 
 Ctx* new_ctx(Dev* d, bool process_wide) {
-  Sim& s = sim();
-  Ctx* c = new Ctx;
+  Ctx* c = new_piped<Ctx>();
+  if (c == nullptr) return nullptr;
   c->dev = d;
   c->process_wide = process_wide;
-  int rfd = -1;
-  if (!make_pipe(&rfd, &c->wfd)) {
-    delete c;
-    return nullptr;
-  }
   c->ctx.device = &d->ibdev;
-  c->ctx.async_fd = rfd;
+  c->ctx.async_fd = c->events.rfd;
   c->ctx.cmd_fd = -1;
   c->ctx.num_comp_vectors = 1;
-  s.ctxs[&c->ctx] = c;
+  sim().ctxs[&c->ctx] = c;
   return c;
 }
 
@@ -238,10 +278,7 @@ ibv_wc_opcode wc_opcode(ibv_wr_opcode op) {
   }
 }
 
-void chan_push(Cq* cq) {
-  cq->chan->q.push_back(cq);
-  wake(cq->chan->wfd);
-}
+void chan_push(Cq* cq) { push_event(cq->chan->events, cq); }
 
 void raise_event(Cq* cq) {
   Sim& s = sim();
@@ -266,10 +303,7 @@ void deliver_due_events() {
   s.delayed.erase(std::remove_if(s.delayed.begin(), s.delayed.end(), due), s.delayed.end());
 }
 
-void push_async(Ctx* ctx, ibv_async_event ev) {
-  ctx->q.push_back(ev);
-  wake(ctx->wfd);
-}
+void push_async(Ctx* ctx, ibv_async_event ev) { push_event(ctx->events, ev); }
 
 void add_wc(Cq* cq, const ibv_wc& wc) {
   if (cq->q.size() >= static_cast<std::size_t>(cq->cqe)) {
@@ -392,8 +426,7 @@ void push_cm(Id* id, rdma_cm_event_type type, int status, const void* pdata, std
   e->ev.param.conn.retry_count = 7;
   e->ev.param.conn.rnr_retry_count = 7;
   e->ev.param.conn.qp_num = qpn;
-  id->ch->q.push_back(e);
-  wake(id->ch->wfd);
+  push_event(id->ch->events, e);
 }
 
 void destroy_qp_locked(Qp* q) {
@@ -443,7 +476,7 @@ void destroy_id_locked(Id* x) {
   // finding no event behind one reads again). A connection request's new id goes too.
   std::vector<Id*> orphans;
   if (x->ch != nullptr) {
-    auto& q = x->ch->q;
+    auto& q = x->ch->events.q;
     for (auto it = q.begin(); it != q.end();) {
       CmEv* e = *it;
       if (e->ev.id == &x->id || e->ev.listen_id == &x->id) {
@@ -494,10 +527,7 @@ __be64 get_device_guid(ibv_device* device) {
 ibv_context* open_device(ibv_device* device) {
   std::lock_guard lock(g_mu);
   Dev* d = dev_of(device);
-  if (d == nullptr) {
-    errno = ENODEV;
-    return nullptr;
-  }
+  if (d == nullptr) return fail_null(ENODEV);
   Ctx* c = new_ctx(d, false);
   if (c == nullptr) return nullptr;
   return &c->ctx;
@@ -509,11 +539,8 @@ int close_device(ibv_context* context) {
   Ctx* c = lookup(s.ctxs, context);
   if (c == nullptr) return fail_m1(EINVAL);
   if (c->process_wide) return 0;  // rdma_cm's: never closed
-  close_fd(c->ctx.async_fd);
-  close_fd(c->wfd);
-  s.ctxs.erase(context);
-  delete c;
-  return 0;
+  close_pipe(c->events);
+  return forget(s.ctxs, context, c);
 }
 
 int query_device(ibv_context* context, ibv_device_attr* attr) {
@@ -586,16 +613,9 @@ int query_gid(ibv_context* context, uint8_t port_num, int index, ibv_gid* gid) {
 }
 
 int get_async_event(ibv_context* context, ibv_async_event* event) {
-  for (;;) {
-    if (!take_byte(context->async_fd)) return -1;
-    std::lock_guard lock(g_mu);
-    Ctx* c = lookup(sim().ctxs, context);
-    if (c == nullptr) return fail_m1(EINVAL);
-    if (c->q.empty()) continue;
-    *event = c->q.front();
-    c->q.pop_front();
-    return 0;
-  }
+  return take_event(
+      context->async_fd, [&] { return lookup(sim().ctxs, context); },
+      [&](const ibv_async_event& e) { *event = e; });
 }
 
 void ack_async_event(ibv_async_event*) {
@@ -610,10 +630,7 @@ ibv_pd* alloc_pd(ibv_context* context) {
   std::lock_guard lock(g_mu);
   Sim& s = sim();
   Ctx* c = lookup(s.ctxs, context);
-  if (c == nullptr) {
-    errno = EINVAL;
-    return nullptr;
-  }
+  if (c == nullptr) return fail_null(EINVAL);
   Pd* p = new Pd;
   p->ctx = c;
   p->pd.context = context;
@@ -628,9 +645,7 @@ int dealloc_pd(ibv_pd* pd) {
   Pd* p = lookup(s.pds, pd);
   if (p == nullptr) return fail(EINVAL);
   if (p->refs > 0) return fail(EBUSY);
-  s.pds.erase(pd);
-  delete p;
-  return 0;
+  return forget(s.pds, pd, p);
 }
 
 constexpr int kKnownAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
@@ -643,10 +658,8 @@ ibv_mr* reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
   Pd* p = lookup(s.pds, pd);
   bool remote_w = (access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) != 0;
   if (p == nullptr || (access & ~kKnownAccess) != 0 || length > s.cfg.max_mr_size ||
-      (addr == nullptr && length > 0) || (remote_w && (access & IBV_ACCESS_LOCAL_WRITE) == 0)) {
-    errno = EINVAL;
-    return nullptr;
-  }
+      (addr == nullptr && length > 0) || (remote_w && (access & IBV_ACCESS_LOCAL_WRITE) == 0))
+    return fail_null(EINVAL);
   Mr* m = new Mr;
   m->pd = p;
   m->access = access;
@@ -678,23 +691,15 @@ int dereg_mr(ibv_mr* mr) {
     }
   }
   m->pd->refs--;
-  s.mrs.erase(mr);
-  delete m;
-  return 0;
+  return forget(s.mrs, mr, m);
 }
 
 ibv_mw* alloc_mw(ibv_pd* pd, ibv_mw_type type) {
   std::lock_guard lock(g_mu);
   Sim& s = sim();
   Pd* p = lookup(s.pds, pd);
-  if (p == nullptr) {
-    errno = EINVAL;
-    return nullptr;
-  }
-  if (!s.cfg.mw || type != IBV_MW_TYPE_2) {
-    errno = EOPNOTSUPP;
-    return nullptr;
-  }
+  if (p == nullptr) return fail_null(EINVAL);
+  if (!s.cfg.mw || type != IBV_MW_TYPE_2) return fail_null(EOPNOTSUPP);
   Mw* w = new Mw;
   w->pd = p;
   w->idx = new_index({KeyEnt::Window, nullptr, w});
@@ -716,9 +721,7 @@ int dealloc_mw(ibv_mw* mw) {
   if (w == nullptr) return fail(EINVAL);
   s.keys.erase(w->idx);
   w->pd->refs--;
-  s.mws.erase(mw);
-  delete w;
-  return 0;
+  return forget(s.mws, mw, w);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -727,18 +730,11 @@ int dealloc_mw(ibv_mw* mw) {
 ibv_comp_channel* create_comp_channel(ibv_context* context) {
   std::lock_guard lock(g_mu);
   Sim& s = sim();
-  if (lookup(s.ctxs, context) == nullptr) {
-    errno = EINVAL;
-    return nullptr;
-  }
-  Chan* c = new Chan;
-  int rfd = -1;
-  if (!make_pipe(&rfd, &c->wfd)) {
-    delete c;
-    return nullptr;
-  }
+  if (lookup(s.ctxs, context) == nullptr) return fail_null(EINVAL);
+  Chan* c = new_piped<Chan>();
+  if (c == nullptr) return nullptr;
   c->ch.context = context;
-  c->ch.fd = rfd;
+  c->ch.fd = c->events.rfd;
   s.chans[&c->ch] = c;
   return &c->ch;
 }
@@ -749,11 +745,8 @@ int destroy_comp_channel(ibv_comp_channel* channel) {
   Chan* c = lookup(s.chans, channel);
   if (c == nullptr) return fail(EINVAL);
   if (c->refs > 0) return fail(EBUSY);
-  close_fd(c->ch.fd);
-  close_fd(c->wfd);
-  s.chans.erase(channel);
-  delete c;
-  return 0;
+  close_pipe(c->events);
+  return forget(s.chans, channel, c);
 }
 
 ibv_cq* create_cq(ibv_context* context, int cqe, void* cq_context, ibv_comp_channel* channel,
@@ -763,10 +756,8 @@ ibv_cq* create_cq(ibv_context* context, int cqe, void* cq_context, ibv_comp_chan
   Ctx* x = lookup(s.ctxs, context);
   Chan* ch = channel != nullptr ? lookup(s.chans, channel) : nullptr;
   if (x == nullptr || cqe < 1 || static_cast<uint32_t>(cqe) > s.cfg.max_cqe ||
-      (channel != nullptr && ch == nullptr) || comp_vector != 0) {
-    errno = EINVAL;
-    return nullptr;
-  }
+      (channel != nullptr && ch == nullptr) || comp_vector != 0)
+    return fail_null(EINVAL);
   Cq* c = new Cq;
   c->ctx = x;
   c->chan = ch;
@@ -788,16 +779,14 @@ int destroy_cq(ibv_cq* cq) {
   if (c == nullptr) return fail(EINVAL);
   if (c->refs > 0 || c->gotten != c->acked) return fail(EBUSY);
   if (c->chan != nullptr) {
-    auto& q = c->chan->q;
+    auto& q = c->chan->events.q;
     q.erase(std::remove(q.begin(), q.end(), c), q.end());
     c->chan->refs--;
   }
   s.delayed.erase(std::remove_if(s.delayed.begin(), s.delayed.end(),
                                  [&](const auto& e) { return e.second == c; }),
                   s.delayed.end());
-  s.cqs.erase(cq);
-  delete c;
-  return 0;
+  return forget(s.cqs, cq, c);
 }
 
 int get_cq_event(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
@@ -805,19 +794,13 @@ int get_cq_event(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
     std::lock_guard lock(g_mu);
     sim().counters.get_cq_event++;
   }
-  for (;;) {
-    if (!take_byte(channel->fd)) return -1;
-    std::lock_guard lock(g_mu);
-    Chan* c = lookup(sim().chans, channel);
-    if (c == nullptr) return fail_m1(EINVAL);
-    if (c->q.empty()) continue;
-    Cq* q = c->q.front();
-    c->q.pop_front();
-    q->gotten++;
-    *cq = &q->cq;
-    *cq_context = q->cq.cq_context;
-    return 0;
-  }
+  return take_event(
+      channel->fd, [&] { return lookup(sim().chans, channel); },
+      [&](Cq* q) {
+        q->gotten++;
+        *cq = &q->cq;
+        *cq_context = q->cq.cq_context;
+      });
 }
 
 void ack_cq_events(ibv_cq* cq, unsigned int nevents) {
@@ -894,6 +877,23 @@ ibv_wc_status invalidate(Qp* q, uint32_t rkey) {
   return IBV_WC_SUCCESS;
 }
 
+// The QP that a post call names; null (with *bad_wr the first WR) when there is none.
+template <class Wr>
+Qp* post_target(ibv_qp* qp, Wr* wr, Wr** bad_wr) {
+  Qp* q = lookup(sim().qps, qp);
+  if (q == nullptr && bad_wr != nullptr) *bad_wr = wr;
+  return q;
+}
+
+// The frame type of a data-carrying send WR.
+Ft frame_type(ibv_wr_opcode op) {
+  return op == IBV_WR_RDMA_WRITE            ? Ft::Write
+         : op == IBV_WR_RDMA_WRITE_WITH_IMM ? Ft::WriteImm
+         : op == IBV_WR_SEND                ? Ft::Send
+         : op == IBV_WR_SEND_WITH_IMM       ? Ft::SendImm
+                                            : Ft::Read;
+}
+
 // Starts a WR: local operations run now; data operations become frames on the connection.
 void start_wr(Qp* q, SendWr& w) {
   Sim& s = sim();
@@ -924,23 +924,7 @@ void start_wr(Qp* q, SendWr& w) {
   h.rkey = w.rkey;
   h.addr = w.raddr;
   h.imm = w.imm;
-  switch (w.op) {
-    case IBV_WR_RDMA_WRITE:
-      h.type = static_cast<uint8_t>(Ft::Write);
-      break;
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-      h.type = static_cast<uint8_t>(Ft::WriteImm);
-      break;
-    case IBV_WR_SEND:
-      h.type = static_cast<uint8_t>(Ft::Send);
-      break;
-    case IBV_WR_SEND_WITH_IMM:
-      h.type = static_cast<uint8_t>(Ft::SendImm);
-      break;
-    default:
-      h.type = static_cast<uint8_t>(Ft::Read);
-      break;
-  }
+  h.type = static_cast<uint8_t>(frame_type(w.op));
   Out o = frame(h);
   o.request = true;
   o.seq = w.seq;
@@ -961,11 +945,8 @@ void start_wr(Qp* q, SendWr& w) {
 int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) {
   std::lock_guard lock(g_mu);
   Sim& s = sim();
-  Qp* q = lookup(s.qps, qp);
-  if (q == nullptr) {
-    if (bad_wr != nullptr) *bad_wr = wr;
-    return fail(EINVAL);
-  }
+  Qp* q = post_target(qp, wr, bad_wr);
+  if (q == nullptr) return fail(EINVAL);
   int rc = 0;
   for (ibv_send_wr* cur = wr; cur != nullptr; cur = cur->next) {
     auto bad = [&](int err) {
@@ -1048,12 +1029,8 @@ int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) {
 
 int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr) {
   std::lock_guard lock(g_mu);
-  Sim& s = sim();
-  Qp* q = lookup(s.qps, qp);
-  if (q == nullptr) {
-    if (bad_wr != nullptr) *bad_wr = wr;
-    return fail(EINVAL);
-  }
+  Qp* q = post_target(qp, wr, bad_wr);
+  if (q == nullptr) return fail(EINVAL);
   for (ibv_recv_wr* cur = wr; cur != nullptr; cur = cur->next) {
     int err = 0;
     if (q->st == IBV_QPS_RESET)
@@ -1127,15 +1104,10 @@ int modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask) {
 
 rdma_event_channel* create_event_channel() {
   std::lock_guard lock(g_mu);
-  Sim& s = sim();
-  EvChan* c = new EvChan;
-  int rfd = -1;
-  if (!make_pipe(&rfd, &c->wfd)) {
-    delete c;
-    return nullptr;
-  }
-  c->ch.fd = rfd;
-  s.evchans[&c->ch] = c;
+  EvChan* c = new_piped<EvChan>();
+  if (c == nullptr) return nullptr;
+  c->ch.fd = c->events.rfd;
+  sim().evchans[&c->ch] = c;
   return &c->ch;
 }
 
@@ -1144,13 +1116,11 @@ void destroy_event_channel(rdma_event_channel* channel) {
   Sim& s = sim();
   EvChan* c = lookup(s.evchans, channel);
   if (c == nullptr) return;
-  for (CmEv* e : c->q) delete e;
+  for (CmEv* e : c->events.q) delete e;
   for (auto& [k, id] : s.ids)
     if (id->ch == c) id->ch = nullptr;
-  close_fd(c->ch.fd);
-  close_fd(c->wfd);
-  s.evchans.erase(channel);
-  delete c;
+  close_pipe(c->events);
+  forget(s.evchans, channel, c);
 }
 
 ibv_context** get_devices(int* num_devices) {
@@ -1457,23 +1427,16 @@ int disconnect(rdma_cm_id* id) {
 }
 
 int get_cm_event(rdma_event_channel* channel, rdma_cm_event** event) {
-  for (;;) {
-    if (!take_byte(channel->fd)) return -1;
-    std::lock_guard lock(g_mu);
-    Sim& s = sim();
-    EvChan* c = lookup(s.evchans, channel);
-    if (c == nullptr) return fail_m1(EINVAL);
-    if (c->q.empty()) continue;
-    CmEv* e = c->q.front();
-    c->q.pop_front();
-    if (e->ev.event == RDMA_CM_EVENT_ESTABLISHED) {
-      // As librdmacm moves the QP to RTS while it processes the reply (app thread).
-      if (Id* x = lookup(s.ids, e->ev.id); x != nullptr && x->qp != nullptr)
-        x->qp->qp.state = IBV_QPS_RTS;
-    }
-    *event = &e->ev;
-    return 0;
-  }
+  return take_event(
+      channel->fd, [&] { return lookup(sim().evchans, channel); },
+      [&](CmEv* e) {
+        if (e->ev.event == RDMA_CM_EVENT_ESTABLISHED) {
+          // As librdmacm moves the QP to RTS while it processes the reply (app thread).
+          if (Id* x = lookup(sim().ids, e->ev.id); x != nullptr && x->qp != nullptr)
+            x->qp->qp.state = IBV_QPS_RTS;
+        }
+        *event = &e->ev;
+      });
 }
 
 int ack_cm_event(rdma_cm_event* event) {

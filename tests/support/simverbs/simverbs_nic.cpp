@@ -409,30 +409,28 @@ bool read_in(Conn* c) {
   std::size_t budget = kReadBudget;
   while (c->fd >= 0 && budget > 0) {
     ssize_t n = 0;
+    // Reads on into buf[off, size); true once it is full.
+    auto fill = [&](void* buf, std::size_t size, std::size_t& off) {
+      n = rd(c, static_cast<char*>(buf) + off, size - off);
+      if (n > 0) off += static_cast<std::size_t>(n);
+      return n > 0 && off == size;
+    };
     switch (c->in) {
       case In::Stalled:
         on_header(c);
         if (c->in == In::Stalled) return true;
         continue;
       case In::Header:
-        n = rd(c, c->hbuf + c->hoff, sizeof c->hbuf - c->hoff);
-        if (n > 0) {
-          c->hoff += static_cast<std::size_t>(n);
-          if (c->hoff == sizeof c->hbuf) {
-            c->hoff = 0;
-            std::memcpy(&c->h, c->hbuf, sizeof c->h);
-            on_header(c);
-          }
+        if (fill(c->hbuf, sizeof c->hbuf, c->hoff)) {
+          c->hoff = 0;
+          std::memcpy(&c->h, c->hbuf, sizeof c->h);
+          on_header(c);
         }
         break;
       case In::Cm:
-        n = rd(c, c->cm_payload.data() + c->cm_off, c->cm_payload.size() - c->cm_off);
-        if (n > 0) {
-          c->cm_off += static_cast<std::size_t>(n);
-          if (c->cm_off == c->cm_payload.size()) {
-            c->in = In::Header;
-            on_cm(c);
-          }
+        if (fill(c->cm_payload.data(), c->cm_payload.size(), c->cm_off)) {
+          c->in = In::Header;
+          on_cm(c);
         }
         break;
       case In::Stream:
@@ -443,13 +441,9 @@ bool read_in(Conn* c) {
         n = recv_stream_step(c);
         break;
       case In::Trailer:
-        n = rd(c, c->tbuf + c->toff, sizeof c->tbuf - c->toff);
-        if (n > 0) {
-          c->toff += static_cast<std::size_t>(n);
-          if (c->toff == sizeof c->tbuf) {
-            c->toff = 0;
-            on_frame_end(c);
-          }
+        if (fill(c->tbuf, sizeof c->tbuf, c->toff)) {
+          c->toff = 0;
+          on_frame_end(c);
         }
         break;
     }

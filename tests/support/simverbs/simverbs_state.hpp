@@ -66,6 +66,15 @@ struct Hdr {
 };
 static_assert(sizeof(Hdr) == 32);
 
+// Events queued for the application, each announced by one byte on a pipe whose read end it
+// waits on (a context's async_fd, a completion channel's fd, an event channel's fd).
+template <class T>
+struct EventPipe {
+  int rfd = -1;
+  int wfd = -1;
+  std::deque<T> q;
+};
+
 struct Ctx;
 struct Qp;
 struct Id;
@@ -84,8 +93,7 @@ struct Dev {
 struct Ctx {
   ibv_context ctx{};
   Dev* dev = nullptr;
-  int wfd = -1;  // write end of async_fd's pipe
-  std::deque<ibv_async_event> q;
+  EventPipe<ibv_async_event> events;  // behind async_fd
   bool process_wide = false;
 };
 
@@ -117,8 +125,7 @@ struct Mw {
 struct Cq;
 struct Chan {
   ibv_comp_channel ch{};
-  int wfd = -1;
-  std::deque<Cq*> q;
+  EventPipe<Cq*> events;  // behind ch.fd
   int refs = 0;
 };
 
@@ -253,8 +260,7 @@ struct CmEv {
 
 struct EvChan {
   rdma_event_channel ch{};
-  int wfd = -1;
-  std::deque<CmEv*> q;
+  EventPipe<CmEv*> events;  // behind ch.fd
 };
 
 struct Id {

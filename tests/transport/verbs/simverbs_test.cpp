@@ -114,6 +114,23 @@ bool no_wc(ibv_cq* cq, int ms = 50) {
   return V().poll_cq(cq, 1, &wc) == 0;
 }
 
+// A change of the simulation's configuration for the life of the object.
+class ScopedConfig {
+ public:
+  template <class Change>
+  explicit ScopedConfig(Change change) {
+    sv::Config c = saved_;
+    change(c);
+    sv::configure(c);
+  }
+  ~ScopedConfig() { sv::configure(saved_); }
+  ScopedConfig(const ScopedConfig&) = delete;
+  ScopedConfig& operator=(const ScopedConfig&) = delete;
+
+ private:
+  sv::Config saved_ = sv::current_config();
+};
+
 ibv_sge sge(const void* p, std::size_t len, const ibv_mr* mr) {
   return ibv_sge{reinterpret_cast<uint64_t>(p), static_cast<uint32_t>(len), mr->lkey};
 }
@@ -1071,17 +1088,13 @@ TEST(SimverbsMw, InvalidateAndDeallocAreImmediate) {
   EXPECT_EQ(target, snapshot);
 
   // Without windows in the configuration.
-  sv::Config c = sv::current_config();
-  sv::Config off = c;
-  off.mw = false;
-  sv::configure(off);
+  ScopedConfig no_windows([](sv::Config& c) { c.mw = false; });
   errno = 0;
   EXPECT_EQ(V().alloc_mw(p.server.pd, IBV_MW_TYPE_2), nullptr);
   EXPECT_EQ(errno, EOPNOTSUPP);
   ibv_device_attr da{};
   V().query_device(p.server.id->verbs, &da);
   EXPECT_EQ(da.device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B, 0u);
-  sv::configure(c);
 }
 
 TEST(SimverbsFaults, PortDownBreaksConnectionsAndComesBack) {
@@ -1194,14 +1207,7 @@ TEST(SimverbsData, LargeTransferIsFast) {
 }
 
 TEST(SimverbsData, RateCapSlowsTheSender) {
-  sv::Config normal = sv::current_config();
-  struct Restore {
-    sv::Config c;
-    ~Restore() { sv::configure(c); }
-  } restore{normal};
-  sv::Config slow = normal;
-  slow.rate_mbps = 80;  // 10 MB/s
-  sv::configure(slow);
+  ScopedConfig slow([](sv::Config& c) { c.rate_mbps = 80; });  // 10 MB/s
   Pair p;
   p.connect();
   ASSERT_FALSE(HasFatalFailure());
@@ -1221,14 +1227,8 @@ TEST(SimverbsData, RateCapSlowsTheSender) {
 }
 
 TEST(SimverbsMemory, DeregDuringAWriteStopsItThere) {
-  sv::Config normal = sv::current_config();
-  struct Restore {
-    sv::Config c;
-    ~Restore() { sv::configure(c); }
-  } restore{normal};
-  sv::Config slow = normal;
-  slow.rate_mbps = 80;  // 10 MB/s: 1 MiB takes about 100 ms
-  sv::configure(slow);
+  // 10 MB/s: 1 MiB takes about 100 ms.
+  ScopedConfig slow([](sv::Config& c) { c.rate_mbps = 80; });
   Pair p;
   p.connect();
   ASSERT_FALSE(HasFatalFailure());
@@ -1321,6 +1321,45 @@ bool stopped(pid_t pid) {
   return false;
 }
 
+// SimverbsChild.Serve run as a child process, with a client connected to it.
+struct ServedChild {
+  ferry::test::ChildProcess process{
+      {self_exe(), "--gtest_filter=SimverbsChild.Serve"},
+      {"FERRY_SIMVERBS_CHILD=1", "FERRY_SIMVERBS=" + sv::to_string(sv::current_config())}};
+  Side client;
+  uint64_t raddr = 0;  // the served memory
+  uint32_t rkey = 0;
+
+  // The child's next line from the simulation ("SIM ..."), without its prefix.
+  std::string next() {
+    for (;;) {
+      std::string l = process.read_line(10s);
+      if (l.rfind("SIM ", 0) == 0) return l.substr(4);
+    }
+  }
+
+  // Connects `client` (private data `req`) and learns where the served memory is.
+  void connect(const std::string& req) {
+    std::istringstream port_line(next());
+    std::string word;
+    unsigned port = 0;
+    port_line >> word >> port;
+    ASSERT_EQ(word, "port");
+    start_connect(client, "127.0.0.2", static_cast<uint16_t>(port), {}, req);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    expect_cm(client.ch, RDMA_CM_EVENT_ESTABLISHED);
+    std::istringstream mr_line(next());
+    mr_line >> word >> raddr >> rkey;
+    ASSERT_EQ(word, "mr");
+  }
+
+  // The child's checksum of the served memory.
+  std::string sum() {
+    process.send_line("sum");
+    return next();
+  }
+};
+
 TEST(SimverbsChild, Serve) {
   if (std::getenv("FERRY_SIMVERBS_CHILD") == nullptr)
     GTEST_SKIP() << "the served side of SimverbsCrossProcess; runs only as its child (not a "
@@ -1356,29 +1395,12 @@ TEST(SimverbsChild, Serve) {
 }
 
 TEST(SimverbsCrossProcess, ServedMemoryAndRealPeerDeath) {
-  ferry::test::ChildProcess child(
-      {self_exe(), "--gtest_filter=SimverbsChild.Serve"},
-      {"FERRY_SIMVERBS_CHILD=1", "FERRY_SIMVERBS=" + sv::to_string(sv::current_config())});
-  auto next = [&] {
-    for (;;) {
-      std::string l = child.read_line(10s);
-      if (l.rfind("SIM ", 0) == 0) return l.substr(4);
-    }
-  };
-  std::istringstream port_line(next());
-  std::string word;
-  unsigned port = 0;
-  port_line >> word >> port;
-  ASSERT_EQ(word, "port");
-  Side client;
-  start_connect(client, "127.0.0.2", static_cast<uint16_t>(port), {}, "child?");
+  ServedChild child;
+  child.connect("child?");
   ASSERT_FALSE(HasFatalFailure());
-  expect_cm(client.ch, RDMA_CM_EVENT_ESTABLISHED);
-  std::istringstream mr_line(next());
-  uint64_t raddr = 0;
-  uint32_t rkey = 0;
-  mr_line >> word >> raddr >> rkey;
-  ASSERT_EQ(word, "mr");
+  Side& client = child.client;
+  const uint64_t raddr = child.raddr;
+  const uint32_t rkey = child.rkey;
 
   // READ what it serves, in four pieces.
   std::vector<unsigned char> local(kServed, 0);
@@ -1401,18 +1423,17 @@ TEST(SimverbsCrossProcess, ServedMemoryAndRealPeerDeath) {
   EXPECT_EQ(one_wc(client.cq).status, IBV_WC_SUCCESS);
   std::vector<unsigned char> expect = pattern(kServed, 42);
   std::memset(&expect[4096], 0x5a, 65536);
-  child.send_line("sum");
-  EXPECT_EQ(next(), "sum " + std::to_string(fnv(expect.data(), expect.size())));
+  EXPECT_EQ(child.sum(), "sum " + std::to_string(fnv(expect.data(), expect.size())));
   // A bad key: the child's memory is unchanged (checked below) and the QP fails.
   // (Done last on this connection: it breaks it. Peer death first.)
 
   // The child stops answering, then dies.
-  child.kill(SIGSTOP);
-  ASSERT_TRUE(stopped(child.pid()));
+  child.process.kill(SIGSTOP);
+  ASSERT_TRUE(stopped(child.process.pid()));
   ASSERT_EQ(post(client.qp(), IBV_WR_RDMA_READ, 3, {sge(local.data(), 4096, lmr)}, raddr, rkey), 0);
   ASSERT_EQ(post_recv(client.qp(), 4, {}), 0);
   EXPECT_TRUE(no_wc(client.cq, 100));
-  child.kill(SIGKILL);
+  child.process.kill(SIGKILL);
   auto wcs = wait_wc(client.cq, 2);
   ASSERT_EQ(wcs.size(), 2u);
   EXPECT_EQ(wcs[0].wr_id, 3u);
@@ -1424,43 +1445,25 @@ TEST(SimverbsCrossProcess, ServedMemoryAndRealPeerDeath) {
   wc = one_wc(client.cq);
   EXPECT_EQ(wc.wr_id, 5u);
   EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);
-  child.wait();
+  child.process.wait();
 }
 
 TEST(SimverbsCrossProcess, RemoteAccessErrorAcrossProcesses) {
-  ferry::test::ChildProcess child(
-      {self_exe(), "--gtest_filter=SimverbsChild.Serve"},
-      {"FERRY_SIMVERBS_CHILD=1", "FERRY_SIMVERBS=" + sv::to_string(sv::current_config())});
-  auto next = [&] {
-    for (;;) {
-      std::string l = child.read_line(10s);
-      if (l.rfind("SIM ", 0) == 0) return l.substr(4);
-    }
-  };
-  std::istringstream port_line(next());
-  std::string word;
-  unsigned port = 0;
-  port_line >> word >> port;
-  Side client;
-  start_connect(client, "127.0.0.2", static_cast<uint16_t>(port), {}, "x");
+  ServedChild child;
+  child.connect("x");
   ASSERT_FALSE(HasFatalFailure());
-  expect_cm(client.ch, RDMA_CM_EVENT_ESTABLISHED);
-  std::istringstream mr_line(next());
-  uint64_t raddr = 0;
-  uint32_t rkey = 0;
-  mr_line >> word >> raddr >> rkey;
+  Side& client = child.client;
   std::vector<unsigned char> junk(4096, 0xee);
   ibv_mr* jmr = client.reg(junk.data(), junk.size(), IBV_ACCESS_LOCAL_WRITE);
   // Straddles the end of the served region.
   ASSERT_EQ(post(client.qp(), IBV_WR_RDMA_WRITE, 1, {sge(junk.data(), 4096, jmr)},
-                 raddr + kServed - 100, rkey),
+                 child.raddr + kServed - 100, child.rkey),
             0);
   EXPECT_EQ(one_wc(client.cq).status, IBV_WC_REM_ACCESS_ERR);
-  child.send_line("sum");
   std::vector<unsigned char> expect = pattern(kServed, 42);
-  EXPECT_EQ(next(), "sum " + std::to_string(fnv(expect.data(), expect.size())));
-  child.send_line("exit");
-  EXPECT_EQ(child.wait(), 0);
+  EXPECT_EQ(child.sum(), "sum " + std::to_string(fnv(expect.data(), expect.size())));
+  child.process.send_line("exit");
+  EXPECT_EQ(child.process.wait(), 0);
 }
 
 }  // namespace
