@@ -705,28 +705,7 @@ TEST(CmaPeerKilled, OwnerKilledMidReadErrorsTheReadWithPeerLost) {
   SKIP_WITHOUT_CMA();
   Connector us(slow_cma("parent"));
   ChildProcess child = child_with("doomed-owner", "tcp,cma");
-  child.send_line("readable " + std::to_string(kBig) + " 77");
-  auto meta = RdmaMetadata::from_json(expect_prefix(child.read_line(60s), "META "));
-  auto dst = std::make_unique<std::byte[]>(kBig);
-  auto read = us.begin_read(meta, {Descriptor(dst.get(), kBig)});
-  ASSERT_TRUE(eventually(
-      [&] {
-        return test::first_mismatch(test::peek(dst.get(), 64 << 10).data(), 64 << 10, 77) < 0;
-      },
-      30s))
-      << "no byte arrived";
-  ASSERT_EQ(read.status(), OperationStatus::in_progress) << "finished before the kill";
-  EXPECT_EQ(read.method(), "cma");
-  child.kill(SIGKILL);
-  const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(test::ended_with(read, 10s), ErrorCode::PeerLost);
-  const auto took = std::chrono::steady_clock::now() - start;
-  // peer_timeout (2 s) bounds it, and some slack for a loaded machine.
-  EXPECT_LT(took, 3500ms) << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
-                          << " ms";
-  ASSERT_TRUE(read.error());
-  EXPECT_NE(read.error()->message().find("doomed-owner"), std::string::npos)
-      << read.error()->message();
+  test::expect_owner_killed_mid_read(us, child, "doomed-owner", kBig, "cma");
 }
 
 // ---------------------------------------------------------------------------------------

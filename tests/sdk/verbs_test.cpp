@@ -125,26 +125,7 @@ TEST_F(Verbs, OwnerKilledMidReadErrorsTheReadWithPeerLost) {
   Connector us(options("parent"));
   // The owner's NIC sends at 400 Mbit/s: 256 MiB take about 5 s.
   ChildProcess peer = child("doomed-owner", 400);
-  constexpr std::size_t kBig = 256 * kMiB;
-  peer.send_line("readable " + std::to_string(kBig) + " 77");
-  auto meta = RdmaMetadata::from_json(expect_prefix(peer.read_line(60s), "META "));
-  auto dst = std::make_unique<std::byte[]>(kBig);
-  auto read = us.begin_read(meta, {Descriptor(dst.get(), kBig)});
-  ASSERT_TRUE(eventually(
-      [&] {
-        return test::first_mismatch(test::peek(dst.get(), 64 << 10).data(), 64 << 10, 77) < 0;
-      },
-      30s))
-      << "no byte arrived";
-  ASSERT_EQ(read.status(), OperationStatus::in_progress) << "finished before the kill";
-  EXPECT_EQ(read.method(), "verbs");
-  peer.kill(SIGKILL);
-  const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(test::ended_with(read, 10s), ErrorCode::PeerLost);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 3500ms);
-  ASSERT_TRUE(read.error());
-  EXPECT_NE(read.error()->message().find("doomed-owner"), std::string::npos)
-      << read.error()->message();
+  test::expect_owner_killed_mid_read(us, peer, "doomed-owner", 256 * kMiB, "verbs");
 }
 
 TEST_F(Verbs, ChosenAboveCmaAndTcpAndNamedByBothSides) {

@@ -6,9 +6,11 @@
 
 #include <gtest/gtest.h>
 
+#include <signal.h>
 #include <sys/wait.h>
 
 #include <chrono>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -17,6 +19,7 @@
 #include <ferry/ferry.hpp>
 
 #include "tests/support/child_process.hpp"
+#include "tests/support/patterns.hpp"
 #include "tests/support/scattered.hpp"
 #include "tests/support/util.hpp"
 
@@ -121,6 +124,32 @@ inline void quit(ChildProcess& child) {
   child.send_line("quit");
   const int status = child.wait();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+}
+
+/// The owner `child` (named `owner_name`) exposes `size` patterned bytes; we read them by
+/// `method`, and once bytes arrive the child is killed: the read must end with PeerLost naming
+/// the owner, in bounded time (peer_timeout, 2 s, and some slack for a loaded machine).
+inline void expect_owner_killed_mid_read(Connector& us, ChildProcess& child,
+                                         const std::string& owner_name, std::size_t size,
+                                         const std::string& method) {
+  using namespace std::chrono_literals;
+  child.send_line("readable " + std::to_string(size) + " 77");
+  auto meta = RdmaMetadata::from_json(expect_prefix(child.read_line(60s), "META "));
+  auto dst = std::make_unique<std::byte[]>(size);
+  auto read = us.begin_read(meta, {Descriptor(dst.get(), size)});
+  ASSERT_TRUE(eventually(
+      [&] { return first_mismatch(peek(dst.get(), 64 << 10).data(), 64 << 10, 77) < 0; }, 30s))
+      << "no byte arrived";
+  ASSERT_EQ(read.status(), OperationStatus::in_progress) << "finished before the kill";
+  EXPECT_EQ(read.method(), method);
+  child.kill(SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(ended_with(read, 10s), ErrorCode::PeerLost);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, 3500ms) << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                          << " ms";
+  ASSERT_TRUE(read.error());
+  EXPECT_NE(read.error()->message().find(owner_name), std::string::npos) << read.error()->message();
 }
 
 }  // namespace ferry::test
