@@ -273,7 +273,10 @@ void VerbsTransport::wr_done(Conn& conn, std::uint64_t tid, const ibv_wc* error)
     std::string text = std::string(op) + " peer '" + t.spec.peer_name +
                        "' failed: " + why_failed(conn, error->status);
     if (error->status == IBV_WC_REM_ACCESS_ERR)
-      text += " (the owner ended the operation, or its key is no longer valid)";
+      // What a dead key means, in the words every method uses for a refused request (the
+      // owner's notice, when it comes first, says why instead; it may not come: the owner's
+      // queue pair fails with ours).
+      text += ": no live operation matches this id and token (the owner ended it)";
     finish_transfer(t, Error(code_of(error->status), text));
     return;
   }
