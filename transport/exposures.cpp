@@ -120,6 +120,23 @@ void Exposures::clear() {
   life_ = std::make_shared<int>(0);
 }
 
+std::vector<std::byte> claim_payload(const std::vector<Segment>& segments) {
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+  for (const Segment& s : segments) {
+    if (s.len == 0) continue;
+    if (!ranges.empty() && ranges.back().first + ranges.back().second == s.remote_addr)
+      ranges.back().second += s.len;
+    else
+      ranges.emplace_back(s.remote_addr, s.len);
+  }
+  std::vector<std::byte> out(ranges.size() * 16);
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    std::memcpy(out.data() + i * 16, &ranges[i].first, 8);
+    std::memcpy(out.data() + i * 16 + 8, &ranges[i].second, 8);
+  }
+  return out;
+}
+
 ExposureTable::Verdict Exposures::check_claim(std::uint64_t id, const Token& token,
                                               std::uint16_t flags, const void* payload,
                                               std::size_t bytes, std::uint64_t conn,

@@ -14,6 +14,11 @@
 
 namespace ferry::transport {
 
+/// What a claim carries (the payload Exposures::check_claim reads): the owner ranges
+/// `segments` reach, merged where they follow each other, as (addr, len) pairs of 8 + 8 bytes.
+/// Empty segments reach nothing and are left out.
+std::vector<std::byte> claim_payload(const std::vector<Segment>& segments);
+
 /// The bookkeeping every transport shares for the passive operations it serves: the access
 /// checks (ExposureTable), who claimed what, which bytes of a writable were written, sends
 /// still reading a readable's memory, and the observer calls, always deferred so that an

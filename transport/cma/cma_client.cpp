@@ -190,20 +190,9 @@ std::shared_ptr<PeerLink> CmaTransport::link_to(const TransferSpec& spec, const 
 }
 
 void CmaTransport::send_claim(CmaTransfer& t) {
-  // The ranges of the owner's memory this transfer touches, merged where they follow each
-  // other: the owner checks each before it grants anything.
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-  for (const Segment& s : t.spec.segments) {
-    if (!ranges.empty() && ranges.back().first + ranges.back().second == s.remote_addr)
-      ranges.back().second += s.len;
-    else
-      ranges.emplace_back(s.remote_addr, s.len);
-  }
-  t.claim_payload.resize(ranges.size() * 16);
-  for (std::size_t i = 0; i < ranges.size(); ++i) {
-    std::memcpy(t.claim_payload.data() + i * 16, &ranges[i].first, 8);
-    std::memcpy(t.claim_payload.data() + i * 16 + 8, &ranges[i].second, 8);
-  }
+  // The ranges of the owner's memory this transfer touches: the owner checks each before it
+  // grants anything.
+  t.claim_payload = claim_payload(t.spec.segments);
   tcp::FrameHeader h;
   h.type = tcp::FrameType::claim;
   h.req_id = t.claim_req = next_req_++;

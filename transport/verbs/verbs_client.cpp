@@ -46,7 +46,7 @@ std::unique_ptr<Transfer> VerbsTransport::start(TransferSpec spec, TransferObser
     t->regs.push_back(s.len == 0 ? nullptr : registrations_.acquire({s.local, s.len}));
   transfers_[t->id] = t.get();
   std::string why;
-  std::shared_ptr<Conn> conn = link_to(t->spec.endpoint.address, why);
+  std::shared_ptr<Conn> conn = link_to(dst, why);
   if (!conn) {
     t->finished = true;
     report_later(defer_, life_, transfers_, t->id,
@@ -66,23 +66,10 @@ std::unique_ptr<Transfer> VerbsTransport::start(TransferSpec spec, TransferObser
 void VerbsTransport::begin(VerbsTransfer& t) {
   Conn* conn = conn_of(t.conn);
   if (conn == nullptr) return;
-  // The ranges the transfer will reach, merged where they follow each other.
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-  for (const Segment& s : t.spec.segments) {
-    if (s.len == 0) continue;
-    if (!ranges.empty() && ranges.back().first + ranges.back().second == s.remote_addr)
-      ranges.back().second += s.len;
-    else
-      ranges.emplace_back(s.remote_addr, s.len);
-  }
-  if (ranges.empty()) {
+  const std::vector<std::byte> body = claim_payload(t.spec.segments);
+  if (body.empty()) {
     finish_transfer(t, std::nullopt);
     return;
-  }
-  std::string body(ranges.size() * 16, '\0');
-  for (std::size_t i = 0; i < ranges.size(); ++i) {
-    std::memcpy(body.data() + i * 16, &ranges[i].first, 8);
-    std::memcpy(body.data() + i * 16 + 8, &ranges[i].second, 8);
   }
   tcp::FrameHeader h;
   h.type = tcp::FrameType::claim;
@@ -91,9 +78,8 @@ void VerbsTransport::begin(VerbsTransfer& t) {
   h.token = t.spec.token;
   h.flags = static_cast<std::uint16_t>(t.spec.access);
   h.len = body.size();
-  t.claim_req = h.req_id;
   pending_[h.req_id] = Pending{t.id, false, t.spec.remote_id, t.spec.token, t.spec.access};
-  send_ctl(*conn, h, {}, body);
+  send_ctl(*conn, h, {}, std::string_view(reinterpret_cast<const char*>(body.data()), body.size()));
 }
 
 void VerbsTransport::on_reply(Conn& conn, const tcp::FrameHeader& h, std::string msg,
@@ -143,19 +129,15 @@ void VerbsTransport::on_notice(Conn& conn, const tcp::FrameHeader& h, const std:
   // The owner ended an operation: the transfer toward it ends with the owner's reason once
   // none of its work requests is outstanding (those under way meet a dead key).
   const ErrorCode code = tcp::code_from_wire(h.status);
+  std::vector<std::uint64_t> now;
   for (auto& [tid, t] : transfers_) {
     if (t->conn != conn.id || t->finished || t->spec.remote_id != h.op_id) continue;
     t->ended_by_owner = Error(code, "peer '" + t->spec.peer_name + "' ended the operation: " +
                                         (msg.empty() ? std::string(to_string(code)) : msg));
+    if (t->outstanding == 0) now.push_back(tid);
   }
-  std::vector<std::uint64_t> now;
-  for (auto& [tid, t] : transfers_)
-    if (t->ended_by_owner && !t->finished && t->outstanding == 0) now.push_back(tid);
-  for (std::uint64_t tid : now) {
-    VerbsTransfer& t = *transfers_.at(tid);
-    std::erase(conn.ready, tid);
-    finish_transfer(t, t.ended_by_owner);
-  }
+  for (std::uint64_t tid : now)
+    finish_transfer(*transfers_.at(tid), transfers_.at(tid)->ended_by_owner);
 }
 
 void VerbsTransport::pump(Conn& conn) {
@@ -288,9 +270,10 @@ void VerbsTransport::wr_done(Conn& conn, std::uint64_t tid, const ibv_wc* error)
   if (!t.all_posted || t.done_sent) return;
   // Every byte is in place (read) or placed before DONE reaches the owner (write).
   t.done_sent = true;
-  t.done_req = next_req_++;
-  pending_[t.done_req] = Pending{t.id, true, t.spec.remote_id, t.spec.token, t.spec.access};
-  send_done(conn, pending_[t.done_req], std::nullopt, t.done_req);
+  const std::uint64_t req = next_req_++;
+  const Pending& done = pending_[req] =
+      Pending{t.id, true, t.spec.remote_id, t.spec.token, t.spec.access};
+  send_done(conn, done, std::nullopt, req);
 }
 
 void VerbsTransport::send_done(Conn& conn, const Pending& what, const std::optional<Error>& error,

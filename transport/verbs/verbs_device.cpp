@@ -45,31 +45,31 @@ ibv_mr* MrSet::find(const ibv_context* ctx, std::uint64_t addr, std::uint64_t& r
   return nullptr;
 }
 
-std::shared_ptr<MrSet> register_pieces(const std::vector<std::shared_ptr<DevicePd>>& pds,
-                                       const std::vector<std::uint64_t>& max_mr, std::uint64_t addr,
-                                       std::uint64_t len, int access) {
+std::shared_ptr<MrSet> VerbsTransport::register_everywhere(const Region& region, int access) {
+  const auto addr = reinterpret_cast<std::uint64_t>(region.ptr);
+  const std::uint64_t len = region.size;
   auto set = std::make_shared<MrSet>();
   set->base = addr;
   set->size = len;
-  for (std::size_t i = 0; i < pds.size(); ++i) {
+  for (auto& dev : devices_) {
     MrSet::OnDevice d;
-    d.pd = pds[i];
+    d.pd = dev->pd;
     // Pieces of whole pages below the device's limit (a limit of 0 means none).
-    std::uint64_t piece =
-        max_mr[i] == 0 ? len : std::max<std::uint64_t>(max_mr[i] & ~4095ull, 4096);
-    d.piece = std::max<std::uint64_t>(piece, 1);
+    d.piece = dev->max_mr == 0 ? std::max<std::uint64_t>(len, 1)
+                               : std::max<std::uint64_t>(dev->max_mr & ~4095ull, 4096);
     for (std::uint64_t at = 0; at < len; at += d.piece) {
       const std::uint64_t n = std::min(d.piece, len - at);
       errno = 0;
-      ibv_mr* mr = d.pd->api->reg_mr(d.pd->pd, reinterpret_cast<void*>(addr + at), n, access);
+      ibv_mr* mr = api_.reg_mr(d.pd->pd, reinterpret_cast<void*>(addr + at), n, access);
       if (mr == nullptr) {
         const int err = errno;
         set->devices.push_back(std::move(d));  // what was registered is released with `set`
         throw Error(err == ENOMEM ? ErrorCode::Internal : ErrorCode::Unsupported,
-                    "verbs: cannot register " + std::to_string(n) + " bytes on " +
-                        pds[i]->api->name + " device: " + (err ? sys_text(err) : "refused"));
+                    "verbs: cannot register " + std::to_string(n) + " bytes on " + dev->name +
+                        ": " + (err ? sys_text(err) : "refused"));
       }
       d.mrs.push_back(mr);
+      ++counters_.registrations;
     }
     set->devices.push_back(std::move(d));
   }
@@ -77,22 +77,12 @@ std::shared_ptr<MrSet> register_pieces(const std::vector<std::shared_ptr<DeviceP
 }
 
 std::shared_ptr<void> VerbsTransport::register_region(const Region& region) {
-  std::vector<std::shared_ptr<DevicePd>> pds;
-  std::vector<std::uint64_t> limits;
-  bool windows = false;
-  for (auto& d : devices_) {
-    pds.push_back(d->pd);
-    limits.push_back(d->max_mr);
-    windows = windows || d->windows;
-  }
   // Cached registrations give no remote access of their own: a peer reaches memory only
   // through a window bound for its claim (or a registration of the operation's own).
   int access = IBV_ACCESS_LOCAL_WRITE;
-  if (windows) access |= IBV_ACCESS_MW_BIND;
-  auto set = register_pieces(pds, limits, reinterpret_cast<std::uint64_t>(region.ptr), region.size,
-                             access);
-  for (const auto& d : set->devices) counters_.registrations += d.mrs.size();
-  return set;
+  if (std::any_of(devices_.begin(), devices_.end(), [](const auto& d) { return d->windows; }))
+    access |= IBV_ACCESS_MW_BIND;
+  return register_everywhere(region, access);
 }
 
 std::shared_ptr<const Registration> VerbsTransport::register_memory(const Region& region) {
@@ -255,28 +245,34 @@ std::size_t VerbsTransport::drain(Device& dev) {
   return total;
 }
 
-void VerbsTransport::arm_watchdog() {
-  if (!watchdog_ || closed_) return;
+bool VerbsTransport::busy() const {
   // Busy: work requests outstanding, answers awaited, or a claimed operation being served
   // (its DONE will come). Idle, nothing polls: the completion channel alone wakes the loop.
-  bool busy = !pending_.empty();
-  for (auto& [id, t] : transfers_) busy = busy || !t->finished;
-  for (auto& [id, c] : conns_) busy = busy || !c->posted.empty();
-  for (auto& [id, s] : served_) busy = busy || s->conn != 0;
-  if (busy) {
-    if (uv_is_active(reinterpret_cast<uv_handle_t*>(watchdog_.get())) == 0)
-      uv_timer_start(watchdog_.get(), &VerbsTransport::on_watchdog,
-                     static_cast<std::uint64_t>(options_.watchdog.count()),
-                     static_cast<std::uint64_t>(options_.watchdog.count()));
-  } else {
-    uv_timer_stop(watchdog_.get());
-  }
+  if (!pending_.empty()) return true;
+  for (const auto& [id, t] : transfers_)
+    if (!t->finished) return true;
+  for (const auto& [id, c] : conns_)
+    if (!c->posted.empty()) return true;
+  for (const auto& [id, s] : served_)
+    if (s->conn != 0) return true;
+  return false;
+}
+
+void VerbsTransport::arm_watchdog() {
+  // Cheap while the timer runs (every completion passes here): the timer itself stops once
+  // the transport is idle.
+  if (!watchdog_ || closed_ || uv_is_active(reinterpret_cast<uv_handle_t*>(watchdog_.get())))
+    return;
+  if (busy())
+    uv_timer_start(watchdog_.get(), &VerbsTransport::on_watchdog,
+                   static_cast<std::uint64_t>(options_.watchdog.count()),
+                   static_cast<std::uint64_t>(options_.watchdog.count()));
 }
 
 void VerbsTransport::on_watchdog(uv_timer_t* timer) {
   auto* self = static_cast<VerbsTransport*>(timer->data);
   if (self == nullptr) return;
-  loop::guarded("verbs watchdog", [self] {
+  loop::guarded("verbs watchdog", [self, timer] {
     for (auto& dev : self->devices_) {
       ++self->counters_.watchdog_polls;
       if (self->drain(*dev) == 0) continue;
@@ -288,7 +284,7 @@ void VerbsTransport::on_watchdog(uv_timer_t* timer) {
       self->drain(*dev);
       if (self->closed_) return;
     }
-    self->arm_watchdog();
+    if (!self->busy()) uv_timer_stop(timer);
   });
 }
 

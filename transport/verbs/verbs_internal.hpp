@@ -61,10 +61,6 @@ struct MrSet {
   /// if none.
   ibv_mr* find(const ibv_context* ctx, std::uint64_t addr, std::uint64_t& room) const;
 };
-/// Registers [addr, addr + len) on `pd` in pieces; throws Error naming the device's refusal.
-std::shared_ptr<MrSet> register_pieces(const std::vector<std::shared_ptr<DevicePd>>& pds,
-                                       const std::vector<std::uint64_t>& max_mr, std::uint64_t addr,
-                                       std::uint64_t len, int access);
 
 /// One RDMA device as rdma_cm opened it, with what the transport keeps on it.
 struct Device {
@@ -122,7 +118,6 @@ struct Conn {
   std::string address;  ///< the peer's listener ("ip:port"), once known
   std::string peer_name = "?";
   std::string peer_id;  ///< its connector id (16 hex digits)
-  std::string failure;  ///< why it failed
 
   std::vector<std::byte> bufs;  ///< kRecvSlots receive then kSendSlots send buffers
   ibv_mr* bufs_mr = nullptr;
@@ -145,15 +140,12 @@ struct Conn {
 
 /// What serving one exposure holds beyond the exposure table.
 struct Served {
-  std::uint64_t id = 0;
-  Access access = Access::read;
   std::vector<Region> spans;
   std::vector<std::shared_ptr<const Registration>> regs;  ///< cache registrations of the spans
   std::vector<std::shared_ptr<MrSet>> own;                ///< registrations of its own (no windows)
   std::vector<ibv_mw*> mws;                               ///< windows bound for its claimant
   std::uint64_t conn = 0;                                 ///< the claimant's connection
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  ///< claimed (addr, len)
-  std::vector<Window> windows;
+  Exposures::Ranges ranges;                               ///< claimed
 };
 
 class VerbsTransfer final : public Transfer {
@@ -184,8 +176,6 @@ class VerbsTransfer final : public Transfer {
   bool done_sent = false;
   bool finished = false;
   bool notified = false;
-  std::uint64_t claim_req = 0;
-  std::uint64_t done_req = 0;
   std::optional<Error> ended_by_owner;  ///< the owner's notice: it ended the operation
 };
 

@@ -13,26 +13,16 @@ std::string VerbsTransport::expose(const Exposure& exposure, ExposureObserver& o
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
   exposures_.add(exposure, observer);
   auto served = std::make_unique<Served>();
-  served->id = exposure.id;
-  served->access = exposure.access;
   served->spans = exposures_.find(exposure.id)->spans;
   try {
     for (const Region& span : served->spans) {
       served->regs.push_back(registrations_.acquire(span));
       if (!uses_memory_windows()) {
         // No windows: a registration of this operation's own, whose keys die with it.
-        std::vector<std::shared_ptr<DevicePd>> pds;
-        std::vector<std::uint64_t> limits;
-        for (auto& d : devices_) {
-          pds.push_back(d->pd);
-          limits.push_back(d->max_mr);
-        }
         const int access = exposure.access == Access::read
                                ? IBV_ACCESS_REMOTE_READ
                                : IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
-        served->own.push_back(register_pieces(
-            pds, limits, reinterpret_cast<std::uint64_t>(span.ptr), span.size, access));
-        for (const auto& d : served->own.back()->devices) counters_.registrations += d.mrs.size();
+        served->own.push_back(register_everywhere(span, access));
       }
     }
   } catch (...) {
@@ -107,7 +97,7 @@ void VerbsTransport::serve_claim(Conn& conn, const tcp::FrameHeader& h,
   Served& served = *sit->second;
   // The keys: a window per registered piece of each span, bound to this connection's queue
   // pair alone, or the pieces of the operation's own registration.
-  const bool windows = conn.dev->windows && uses_memory_windows();
+  const bool windows = uses_memory_windows();
   std::vector<Window> out;
   std::vector<CtlItem> binds;
   std::string failure;
@@ -162,7 +152,6 @@ void VerbsTransport::serve_claim(Conn& conn, const tcp::FrameHeader& h,
   }
   served.conn = conn.id;
   served.ranges = std::move(ranges);
-  served.windows = out;
   counters_.windows_bound += binds.size();
   // The binds go first on the same send queue: the peer has the keys only after they hold.
   for (CtlItem& b : binds) conn.outbox.push_back(std::move(b));

@@ -356,16 +356,12 @@ Conn* VerbsTransport::conn_by_qp(std::uint32_t qp_num) {
   return it == by_qp_.end() ? nullptr : conn_of(it->second);
 }
 
-std::shared_ptr<Conn> VerbsTransport::link_to(const std::string& address, std::string& why) {
+std::shared_ptr<Conn> VerbsTransport::link_to(const tcp::SocketAddress& dst, std::string& why) {
+  const std::string address = dst.to_string();
   if (auto it = links_.find(address); it != links_.end()) {
     auto c = conns_.find(it->second);
     if (c != conns_.end() && c->second->state != Conn::State::failed) return c->second;
     links_.erase(it);  // a stale connection is never reused
-  }
-  tcp::SocketAddress dst;
-  if (!tcp::SocketAddress::parse(address, dst)) {
-    why = "'" + address + "' is not a numeric ip:port";
-    return nullptr;
   }
   auto conn = std::make_shared<Conn>();
   conn->id = next_conn_++;
@@ -404,7 +400,6 @@ void VerbsTransport::fail_conn(Conn& conn, ErrorCode code, const std::string& wh
   if (conn.state == Conn::State::failed) return;
   const bool was_up = conn.state == Conn::State::up;
   conn.state = Conn::State::failed;
-  conn.failure = why;
   if (auto it = links_.find(conn.address); it != links_.end() && it->second == conn.id)
     links_.erase(it);
   const std::uint64_t cid = conn.id;

@@ -15,6 +15,7 @@
 #include "transport/exposures.hpp"
 #include "transport/registration_cache.hpp"
 #include "transport/tcp/frame.hpp"
+#include "transport/tcp/socket.hpp"
 #include "transport/transport.hpp"
 #include "transport/verbs/verbs_api.hpp"
 
@@ -24,6 +25,7 @@ class VerbsTransfer;
 struct Device;
 struct Conn;
 struct Served;
+struct MrSet;
 
 /// The RDMA method: one-sided READ and WRITE over reliable-connected queue pairs that rdma_cm
 /// sets up, one connection per peer pair shared by every operation between them. The passive
@@ -113,8 +115,13 @@ class VerbsTransport final : public Transport {
   /// Polls `dev`'s CQ until it is empty; returns how many completions it handled.
   std::size_t drain(Device& dev);
   void async_ready(Device& dev);
+  /// Starts the watchdog timer if anything is under way and it is not running.
   void arm_watchdog();
+  bool busy() const;
   std::shared_ptr<void> register_region(const Region& region);
+  /// Registers `region` on every device, in pieces of at most its max_mr_size, with `access`;
+  /// throws Error naming the device's refusal.
+  std::shared_ptr<MrSet> register_everywhere(const Region& region, int access);
 
   // Connections (verbs_transport.cpp).
   static void on_cm(uv_poll_t* handle, int status, int events);
@@ -128,7 +135,9 @@ class VerbsTransport final : public Transport {
   bool make_qp(Conn& conn, std::string& why);
   Conn* conn_of(std::uint64_t id);
   Conn* conn_by_qp(std::uint32_t qp_num);
-  std::shared_ptr<Conn> link_to(const std::string& address, std::string& why);
+  /// The connection to the listener at `dst`: the live one, or a new one being set up (null,
+  /// with why, when rdma_cm refuses at once).
+  std::shared_ptr<Conn> link_to(const tcp::SocketAddress& dst, std::string& why);
   /// The connection failed (or closed): its QP goes to error, every transfer and claim on it
   /// fails with `why`, and it is destroyed once its work requests are flushed.
   void fail_conn(Conn& conn, ErrorCode code, const std::string& why, bool setup = false);
