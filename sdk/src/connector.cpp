@@ -88,6 +88,8 @@ bool Connector::has_side_channel() const noexcept { return core_->has_nats; }
 
 std::vector<MethodInfo> Connector::methods() const { return core_->methods; }
 
+ConnectorStats Connector::stats() const { return core_->stats.snapshot(); }
+
 ReadableOperation Connector::create_readable(std::vector<Descriptor> local,
                                              OperationOptions options) {
   return ReadableOperation(create(*core_, OperationKind::read, std::move(local), options));

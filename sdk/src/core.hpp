@@ -10,6 +10,7 @@
 
 #include "loop/event_loop.hpp"
 #include "sdk/src/endpoint_filter.hpp"
+#include "sdk/src/stats.hpp"
 #include "sidechannel/nats_channel.hpp"
 #include "transport/method_selector.hpp"
 #include "transport/transport.hpp"
@@ -74,6 +75,8 @@ class Core : public std::enable_shared_from_this<Core> {
   EndpointFilter allow;
   std::unordered_map<std::uint64_t, std::weak_ptr<OperationState>> live;
   bool closed = false;
+  /// Any thread: what the operations came to (Connector::stats()).
+  StatsRecorder stats;
 
  private:
   std::uint64_t next_id_;

@@ -21,6 +21,8 @@ OperationState::~OperationState() = default;
 
 void OperationState::arm(std::chrono::milliseconds timeout) {
   core->live[id] = weak_from_this();
+  core->stats.started(passive);
+  counted_ = true;
   if (timeout.count() <= 0) return;
   timeout_ = timeout;
   deadline_ = loop::Timer::timer(core->loop->uv(), this);
@@ -64,6 +66,11 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
   }
   deadline_.reset();
   core->live.erase(id);
+  if (counted_) {
+    std::uint64_t bytes = 0;
+    for (const Descriptor& d : local) bytes += d.size();
+    core->stats.ended(method(), final_status, bytes, std::chrono::steady_clock::now() - created_);
+  }
 
   std::vector<CompletionCallback> callbacks;
   {

@@ -79,6 +79,9 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   std::string method_;                       // guarded by mu_
   loop::Timer deadline_;                     // loop thread only
   std::chrono::milliseconds timeout_{0};
+  /// When the handle's call began: the start of the latency stats() reports.
+  const std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();
+  bool counted_ = false;  ///< loop thread: reported to the connector's stats by arm()
 };
 
 }  // namespace ferry::detail
