@@ -100,6 +100,23 @@ void OperationState::cancel() {
   }
 }
 
+void OperationState::abandon(Error error) {
+  if (is_final(status())) return;
+  auto keep = shared_from_this();
+  std::vector<CompletionCallback> callbacks;
+  {
+    std::lock_guard lock(mu_);
+    error_ = std::move(error);
+    callbacks.swap(waiting_);
+    set_status(OperationStatus::cancelled);
+  }
+  cv_.notify_all();
+  for (auto& cb : callbacks) {
+    std::optional<Error> e = keep->error();
+    cb(OperationStatus::cancelled, e ? &*e : nullptr);
+  }
+}
+
 std::optional<Error> OperationState::error() const {
   std::lock_guard lock(mu_);
   return error_;
