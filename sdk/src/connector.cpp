@@ -70,8 +70,9 @@ std::shared_ptr<detail::ActiveOperation> begin(detail::Core& core, OperationKind
   detail::check_local(local);
   if (kind == OperationKind::read) check_writable(local, "begin_read");
   auto timeout = core.effective_timeout(options);
-  return core.loop->call(
-      [&] { return core.begin_by_subject(kind, subject.name, std::move(local), timeout); });
+  if (!core.loop->in_loop_thread())
+    return core.post_by_subject(kind, subject.name, std::move(local), timeout);
+  return core.begin_by_subject(kind, subject.name, std::move(local), timeout);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <functional>
 #include <limits>
 
 #include "loop/ids.hpp"
@@ -284,7 +285,7 @@ namespace {
 // operation ends cancelled (no transport ever saw it).
 struct PostedStart {
   std::shared_ptr<ActiveOperation> op;
-  RdmaMetadata remote;
+  std::function<void(ActiveOperation&)> start;
   std::chrono::milliseconds timeout{0};
   bool ran = false;
 
@@ -302,9 +303,23 @@ struct PostedStart {
       return;
     }
     try {
-      op->start(remote);
+      start(*op);
     } catch (const Error& e) {
       op->finish(OperationStatus::errored, e);
+    }
+  }
+
+  // Hands `op` to the loop; throws InvalidState when it is closed.
+  static void post(Core& core, std::shared_ptr<ActiveOperation> op,
+                   std::function<void(ActiveOperation&)> start, std::chrono::milliseconds timeout) {
+    op->set_status(OperationStatus::in_progress);
+    auto task = std::make_shared<PostedStart>();
+    task->op = std::move(op);
+    task->start = std::move(start);
+    task->timeout = timeout;
+    if (!core.loop->post([task] { task->run(); })) {
+      task->ran = true;  // nothing to abandon: the caller gets the error
+      throw Error(ErrorCode::InvalidState, "the connector is closed");
     }
   }
   ~PostedStart() {
@@ -320,15 +335,21 @@ std::shared_ptr<ActiveOperation> Core::post_active(const RdmaMetadata& remote,
   precheck(remote);
   auto op = std::make_shared<ActiveOperation>(shared_from_this(), next_id(), remote.operation_kind,
                                               std::move(local));
-  op->set_status(OperationStatus::in_progress);
-  auto task = std::make_shared<PostedStart>();
-  task->op = op;
-  task->remote = remote;
-  task->timeout = timeout;
-  if (!loop->post([task] { task->run(); })) {
-    task->ran = true;  // nothing to abandon: the caller gets the error
-    throw Error(ErrorCode::InvalidState, "the connector is closed");
-  }
+  PostedStart::post(
+      *this, op, [remote](ActiveOperation& o) { o.start(remote); }, timeout);
+  return op;
+}
+
+std::shared_ptr<ActiveOperation> Core::post_by_subject(OperationKind kind,
+                                                       const std::string& subject,
+                                                       std::vector<Descriptor> local,
+                                                       std::chrono::milliseconds timeout) {
+  auto op =
+      std::make_shared<ActiveOperation>(shared_from_this(), next_id(), kind, std::move(local));
+  op->asking.emplace();
+  op->asking->subject = subject;
+  PostedStart::post(
+      *this, op, [](ActiveOperation& o) { pairing::ask(o); }, timeout);
   return op;
 }
 

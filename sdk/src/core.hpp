@@ -56,6 +56,12 @@ class Core : public std::enable_shared_from_this<Core> {
                                                std::vector<Descriptor> local,
                                                std::chrono::milliseconds timeout);
 
+  /// Any thread, for begin_read / begin_write by subject off the loop: starts asking for the
+  /// metadata without waiting for the loop (throws InvalidState when closed).
+  std::shared_ptr<ActiveOperation> post_by_subject(OperationKind kind, const std::string& subject,
+                                                   std::vector<Descriptor> local,
+                                                   std::chrono::milliseconds timeout);
+
   /// Loop thread: the transports an active operation toward `remote` may use, best first,
   /// with the peer's endpoint of each. Throws NoCommonMethod, or AccessDenied when the peer's
   /// endpoints lie outside endpoint_allow.

@@ -50,7 +50,8 @@ std::vector<MethodInfo> probe_methods(const ConnectorOptions& options = {});
 /// of peer connections, and creates every operation.
 ///
 /// Every method is safe from any thread; from a foreign thread the work is posted to the loop
-/// and the call waits for it.
+/// and the call waits for it, except begin_read / begin_write, which hand the operation to the
+/// loop and return at once (one thread hop less per operation).
 ///
 /// Destructor: cancels every operation that has not ended (their handles then report
 /// `cancelled`), closes all connections and stops the loop thread. Handles may outlive it.
@@ -86,8 +87,12 @@ class Connector {
   /// Reads the peer's readable operation described by `remote` into `local`. The two lists
   /// are matched as one byte stream (their lengths may differ, their totals may not).
   /// Throws InvalidMetadata, KindMismatch (remote is not a readable's), SizeMismatch,
-  /// InvalidArgument (empty list), NoCommonMethod. Transfer failures come later, as the
-  /// operation's error.
+  /// InvalidArgument (empty list), NoCommonMethod (the two sides share no usable method),
+  /// AccessDenied (endpoints outside endpoint_allow). Transfer failures come later, as the
+  /// operation's error. Off the loop thread the call does not wait for the loop: it returns
+  /// the operation `in_progress` at once, and a method that refuses at set-up (remembered
+  /// per peer for a while) also shows as the operation's error (NoCommonMethod when no other
+  /// method is left); on the loop thread, such a refusal is thrown.
   ReadOperation begin_read(const RdmaMetadata& remote, std::vector<Descriptor> local,
                            OperationOptions options = {});
   /// Writes `local` into the peer's writable operation described by `remote`.
