@@ -418,8 +418,9 @@ int run_decode(const Args& args) {
     nats.reply(msg, reply.dump());
   };
   serve_until_stopped(nats, kGenerate, "decode", workers, name, handle);
-  std::fprintf(stderr, "%s: served %llu requests\n", name.c_str(),
-               static_cast<unsigned long long>(served.load()));
+  std::fprintf(stderr, "%s: served %llu requests\n%s", name.c_str(),
+               static_cast<unsigned long long>(served.load()),
+               connector.stats().to_text().c_str());
   return 0;
 }
 
@@ -465,8 +466,9 @@ int run_prefill(const Args& args) {
     nats.reply(msg, reply.dump());
   };
   serve_until_stopped(nats, kPrefill, "prefill", workers, name, handle);
-  std::fprintf(stderr, "%s: prefilled %llu requests\n", name.c_str(),
-               static_cast<unsigned long long>(served.load()));
+  std::fprintf(stderr, "%s: prefilled %llu requests\n%s", name.c_str(),
+               static_cast<unsigned long long>(served.load()),
+               connector.stats().to_text().c_str());
   return 0;
 }
 
