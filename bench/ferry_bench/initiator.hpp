@@ -50,12 +50,13 @@ class Initiator {
   Initiator(const Options& options, ControlClient& control);
   ~Initiator();
 
-  /// Runs one point against the target. Throws ControlError when the target cannot be
-  /// reached any more (the run cannot go on).
+  /// Runs one point against the target. Throws ControlError when the target does not take
+  /// the point; when it fails later (the target gone), the point is returned with its errors
+  /// and aborted() says why the run cannot go on.
   PointResult run(PointSpec spec);
 
   /// Makes the running point (and any later one) stop at once: in-flight operations are
-  /// cancelled. Any thread.
+  /// cancelled and the control connection is closed. Any thread.
   void abort(const std::string& why);
   /// Why abort() was called; empty if it was not.
   std::string aborted() const;

@@ -149,9 +149,11 @@ int run(Options o) {
       }
       for (const auto& p : r.problems) say(describe(r) + ": " + p);
       results.push_back(std::move(r));
+      if (auto why = initiator.aborted(); !why.empty()) throw ControlError(why, false);
     }
   } catch (const std::exception& e) {
-    fatal = e.what();
+    // A request cut short by abort() fails with the closed connection; say why it was closed.
+    fatal = initiator.aborted().empty() ? e.what() : initiator.aborted();
   }
   if (!fatal.empty()) say("stopped: " + fatal);
 
