@@ -165,6 +165,14 @@ class Transport {
     return {};
   }
 
+  /// Why start() would refuse `endpoint` (of its method) as InvalidMetadata, e.g. an address
+  /// it cannot parse; none when it is well formed. Judged from the endpoint alone, from any
+  /// thread (the connector checks metadata before handing the operation to the loop).
+  virtual std::optional<Error> endpoint_error(const Endpoint& endpoint) const {
+    (void)endpoint;
+    return std::nullopt;
+  }
+
   /// Starts an active transfer. Throws Error for a spec it cannot carry out at all
   /// (e.g. an endpoint address it cannot parse); later failures go to the observer.
   virtual std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) = 0;

@@ -52,7 +52,10 @@ std::shared_ptr<detail::ActiveOperation> begin(detail::Core& core, OperationKind
   detail::check_remote(remote, kind, local);
   if (kind == OperationKind::read) check_writable(local, "begin_read");
   auto timeout = core.effective_timeout(options);
-  return core.loop->call([&] { return core.begin_active(remote, std::move(local), timeout); });
+  // Off the loop, the call does not wait for it: the operation starts there, and what only
+  // the loop can find out ends it with an error (one thread hop less per operation).
+  if (!core.loop->in_loop_thread()) return core.post_active(remote, std::move(local), timeout);
+  return core.begin_active(remote, std::move(local), timeout);
 }
 
 std::shared_ptr<detail::ActiveOperation> begin(detail::Core& core, OperationKind kind,
@@ -87,6 +90,8 @@ std::vector<Endpoint> Connector::endpoints() const { return core_->endpoints; }
 bool Connector::has_side_channel() const noexcept { return core_->has_nats; }
 
 std::vector<MethodInfo> Connector::methods() const { return core_->methods; }
+
+ConnectorStats Connector::stats() const { return core_->stats.snapshot(); }
 
 ReadableOperation Connector::create_readable(std::vector<Descriptor> local,
                                              OperationOptions options) {

@@ -154,8 +154,10 @@ void Core::start() {
           why += (why.empty() ? "" : "; ") + method + ": " + reason;
         throw Error(ErrorCode::Unsupported, "no transfer method is available here (" + why + ")");
       }
-      for (const auto& t : transports)
+      for (const auto& t : transports) {
+        capabilities.push_back(t->capabilities());
         for (auto& e : t->endpoints()) endpoints.push_back(std::move(e));
+      }
     });
   } catch (...) {
     loop->close([this] {
@@ -191,38 +193,53 @@ std::chrono::milliseconds Core::effective_timeout(const OperationOptions& o) con
   return o.timeout.count() > 0 ? o.timeout : options.default_timeout;
 }
 
-std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaMetadata& remote) {
-  std::vector<Endpoint> reachable;
+std::vector<Endpoint> Core::reachable(const RdmaMetadata& remote) const {
+  std::vector<Endpoint> out;
   std::string refused;
   for (const Endpoint& e : remote.endpoints) {
     if (allow.allows(e.address))
-      reachable.push_back(e);
+      out.push_back(e);
     else
       refused += (refused.empty() ? "" : ", ") + e.method + " " + e.address;
   }
-  if (reachable.empty())
+  if (out.empty())
     throw Error(ErrorCode::AccessDenied, "peer '" + remote.owner.name +
                                              "' offers only endpoints "
                                              "outside ConnectorOptions::endpoint_allow (" +
                                              refused + ")");
-  std::vector<transport::Capabilities> caps;
-  for (const auto& t : transports) caps.push_back(t->capabilities());
+  return out;
+}
+
+std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaMetadata& remote) {
+  const std::vector<Endpoint> endpoints_allowed = reachable(remote);
   transport::MethodSelector::Needs needs;
   needs.peer = remote.owner.id;
   needs.peer_name = remote.owner.name;
   needs.same_host = remote.owner.host == identity.host;
   for (const auto& t : transports) {
     const std::string& method = t->capabilities().method;
-    for (const Endpoint& e : reachable)
+    for (const Endpoint& e : endpoints_allowed)
       if (e.method == method) {
         needs.unreachable[method] = t->unreachable(e);
         break;
       }
   }
   std::vector<std::pair<transport::Transport*, Endpoint>> out;
-  for (auto& c : selector.choose(caps, reachable, needs))
+  for (auto& c : selector.choose(capabilities, endpoints_allowed, needs))
     out.emplace_back(transports[c.local].get(), std::move(c.endpoint));
   return out;
+}
+
+void Core::precheck(const RdmaMetadata& remote) const {
+  const std::vector<Endpoint> endpoints_allowed = reachable(remote);
+  transport::MethodSelector::Needs needs;
+  needs.peer = remote.owner.id;
+  needs.peer_name = remote.owner.name;
+  needs.same_host = remote.owner.host == identity.host;
+  // A selector that remembers no failures: only what is fixed decides. Endpoints that a
+  // usable method could not even parse make the metadata invalid.
+  for (const auto& c : transport::MethodSelector().choose(capabilities, endpoints_allowed, needs))
+    if (auto e = transports[c.local]->endpoint_error(c.endpoint)) throw *e;
 }
 
 std::shared_ptr<PassiveOperation> Core::create_passive(OperationKind kind,
@@ -258,6 +275,60 @@ std::shared_ptr<ActiveOperation> Core::begin_active(const RdmaMetadata& remote,
   op->set_status(OperationStatus::in_progress);
   op->start(remote);
   op->arm(timeout);
+  return op;
+}
+
+namespace {
+
+// Starts an active operation on the loop; when the loop closes before running it, the
+// operation ends cancelled (no transport ever saw it).
+struct PostedStart {
+  std::shared_ptr<ActiveOperation> op;
+  RdmaMetadata remote;
+  std::chrono::milliseconds timeout{0};
+  bool ran = false;
+
+  PostedStart() = default;
+  PostedStart(const PostedStart&) = delete;
+  PostedStart& operator=(const PostedStart&) = delete;
+
+  void run() {
+    ran = true;
+    Core& core = *op->core;
+    op->arm(timeout);
+    if (core.closed) {
+      op->finish(OperationStatus::cancelled,
+                 Error(ErrorCode::Cancelled, "the connector was closed"));
+      return;
+    }
+    try {
+      op->start(remote);
+    } catch (const Error& e) {
+      op->finish(OperationStatus::errored, e);
+    }
+  }
+  ~PostedStart() {
+    if (!ran && op) op->abandon(Error(ErrorCode::Cancelled, "the connector was closed"));
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<ActiveOperation> Core::post_active(const RdmaMetadata& remote,
+                                                   std::vector<Descriptor> local,
+                                                   std::chrono::milliseconds timeout) {
+  precheck(remote);
+  auto op = std::make_shared<ActiveOperation>(shared_from_this(), next_id(), remote.operation_kind,
+                                              std::move(local));
+  op->set_status(OperationStatus::in_progress);
+  auto task = std::make_shared<PostedStart>();
+  task->op = op;
+  task->remote = remote;
+  task->timeout = timeout;
+  if (!loop->post([task] { task->run(); })) {
+    task->ran = true;  // nothing to abandon: the caller gets the error
+    throw Error(ErrorCode::InvalidState, "the connector is closed");
+  }
   return op;
 }
 

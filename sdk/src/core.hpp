@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include "loop/event_loop.hpp"
 #include "sdk/src/endpoint_filter.hpp"
+#include "sdk/src/stats.hpp"
 #include "sidechannel/nats_channel.hpp"
 #include "transport/method_selector.hpp"
 #include "transport/transport.hpp"
@@ -46,13 +48,26 @@ class Core : public std::enable_shared_from_this<Core> {
                                                     std::vector<Descriptor> local,
                                                     std::chrono::milliseconds timeout);
 
+  /// Any thread, for begin_read / begin_write off the loop: starts an active operation on
+  /// `remote` without waiting for the loop. What can be known here is thrown here (closed,
+  /// AccessDenied, NoCommonMethod by the methods both sides offer: precheck()); what the loop
+  /// finds later (a method refused at set-up) becomes the operation's error.
+  std::shared_ptr<ActiveOperation> post_active(const RdmaMetadata& remote,
+                                               std::vector<Descriptor> local,
+                                               std::chrono::milliseconds timeout);
+
   /// Loop thread: the transports an active operation toward `remote` may use, best first,
   /// with the peer's endpoint of each. Throws NoCommonMethod, or AccessDenied when the peer's
   /// endpoints lie outside endpoint_allow.
   std::vector<std::pair<transport::Transport*, Endpoint>> choose(const RdmaMetadata& remote);
+  /// Any thread: throws what choose() would from what is fixed (the methods both sides offer,
+  /// locality, endpoint_allow), leaving out what changes (failures remembered per peer, a
+  /// transport's own view of reachability).
+  void precheck(const RdmaMetadata& remote) const;
 
   std::chrono::milliseconds effective_timeout(const OperationOptions& options) const;
-  std::uint64_t next_id() noexcept { return next_id_++; }
+  /// Any thread.
+  std::uint64_t next_id() noexcept { return next_id_.fetch_add(1, std::memory_order_relaxed); }
 
   const ConnectorOptions options;
   PeerIdentity identity;
@@ -71,12 +86,20 @@ class Core : public std::enable_shared_from_this<Core> {
   /// start(); readable from any thread).
   std::vector<MethodInfo> methods;
   transport::MethodSelector selector;
+  /// The capabilities of `transports`, in their order (fixed after start(); any thread).
+  std::vector<transport::Capabilities> capabilities;
   EndpointFilter allow;
   std::unordered_map<std::uint64_t, std::weak_ptr<OperationState>> live;
   bool closed = false;
+  /// Any thread: what the operations came to (Connector::stats()).
+  StatsRecorder stats;
 
  private:
-  std::uint64_t next_id_;
+  /// The endpoints of `remote` that endpoint_allow lets us reach; throws AccessDenied when
+  /// none. Any thread.
+  std::vector<Endpoint> reachable(const RdmaMetadata& remote) const;
+
+  std::atomic<std::uint64_t> next_id_;
 };
 
 /// Throws what begin_read / begin_write throw for metadata that does not fit: InvalidMetadata,

@@ -21,6 +21,8 @@ OperationState::~OperationState() = default;
 
 void OperationState::arm(std::chrono::milliseconds timeout) {
   core->live[id] = weak_from_this();
+  core->stats.started(passive);
+  counted_ = true;
   if (timeout.count() <= 0) return;
   timeout_ = timeout;
   deadline_ = loop::Timer::timer(core->loop->uv(), this);
@@ -64,6 +66,11 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
   }
   deadline_.reset();
   core->live.erase(id);
+  if (counted_) {
+    std::uint64_t bytes = 0;
+    for (const Descriptor& d : local) bytes += d.size();
+    core->stats.ended(method(), final_status, bytes, std::chrono::steady_clock::now() - created_);
+  }
 
   std::vector<CompletionCallback> callbacks;
   {
@@ -90,6 +97,23 @@ void OperationState::cancel() {
     });
   } catch (const Error&) {
     // The loop is closed: shutdown has ended every operation already.
+  }
+}
+
+void OperationState::abandon(Error error) {
+  if (is_final(status())) return;
+  auto keep = shared_from_this();
+  std::vector<CompletionCallback> callbacks;
+  {
+    std::lock_guard lock(mu_);
+    error_ = std::move(error);
+    callbacks.swap(waiting_);
+    set_status(OperationStatus::cancelled);
+  }
+  cv_.notify_all();
+  for (auto& cb : callbacks) {
+    std::optional<Error> e = keep->error();
+    cb(OperationStatus::cancelled, e ? &*e : nullptr);
   }
 }
 

@@ -39,6 +39,9 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   void finish(OperationStatus status, std::optional<Error> error);
   /// Any thread: cancel() as the public API defines it.
   void cancel();
+  /// Any thread, for an operation no transport ever saw, whose start the closing loop
+  /// dropped: ends it with `error` (cancelled) at once; callbacks run on the calling thread.
+  void abandon(Error error);
 
   OperationStatus status() const noexcept { return status_.load(std::memory_order_acquire); }
   void set_status(OperationStatus s) noexcept { status_.store(s, std::memory_order_release); }
@@ -79,6 +82,9 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   std::string method_;                       // guarded by mu_
   loop::Timer deadline_;                     // loop thread only
   std::chrono::milliseconds timeout_{0};
+  /// When the handle's call began: the start of the latency stats() reports.
+  const std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();
+  bool counted_ = false;  ///< loop thread: reported to the connector's stats by arm()
 };
 
 }  // namespace ferry::detail

@@ -3,6 +3,8 @@
 // the fake fails at set-up, and what the operations see when the fake's peer misbehaves.
 #include <gtest/gtest.h>
 
+#include <future>
+
 #include <chrono>
 #include <ostream>
 #include <string>
@@ -366,7 +368,9 @@ TEST(Fallback, WithNothingToFallBackToASetUpRefusalIsTheOperationsError) {
       << read.error()->message();
 }
 
-TEST(Fallback, WithNothingToFallBackToASetUpThrowIsNoCommonMethodAtBegin) {
+// Off the loop, begin_read does not wait for the loop: a refusal only the transport's set-up
+// finds ends the operation with NoCommonMethod (on the loop thread, begin_read throws it).
+TEST(Fallback, WithNothingToFallBackToASetUpRefusalIsNoCommonMethod) {
   FakeTransportFactory fake;
   FaultPolicy policy;
   policy.setup = FaultPolicy::Setup::throw_error;
@@ -375,14 +379,31 @@ TEST(Fallback, WithNothingToFallBackToASetUpThrowIsNoCommonMethodAtBegin) {
   Connector peer(options("peer", {"fake"}));
   std::vector<std::byte> memory(64);
   auto readable = owner.create_readable(memory);
+  auto read = peer.begin_read(readable.metadata(), memory);
   try {
-    auto read = peer.begin_read(readable.metadata(), memory);
-    ADD_FAILURE() << "began a read whose only method refused";
+    read.wait_for_completion();
+    ADD_FAILURE() << "completed a read whose only method refused";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::NoCommonMethod) << e.what();
     EXPECT_NE(e.message().find("no method could reach peer 'owner' (fake: "), std::string::npos)
         << e.what();
   }
+  EXPECT_EQ(read.status(), OperationStatus::errored);
+
+  // The refusal is remembered for this peer: the next begin_read on the loop thread throws.
+  std::promise<ErrorCode> thrown;
+  readable = owner.create_readable(memory);
+  auto copy = readable.metadata();
+  read = peer.begin_read(copy, memory);
+  read.on_complete([&](OperationStatus, const Error*) {
+    try {
+      ReadOperation again = peer.begin_read(copy, memory);
+      thrown.set_value(ErrorCode::Internal);
+    } catch (const Error& e) {
+      thrown.set_value(e.code());
+    }
+  });
+  EXPECT_EQ(thrown.get_future().get(), ErrorCode::NoCommonMethod);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -71,6 +71,9 @@ class FaultyTransport final : public transport::Transport {
   std::string unreachable(const Endpoint& endpoint) const override {
     return inner_->unreachable(endpoint);
   }
+  std::optional<Error> endpoint_error(const Endpoint& endpoint) const override {
+    return inner_->endpoint_error(endpoint);
+  }
   std::unique_ptr<transport::Transfer> start(transport::TransferSpec spec,
                                              transport::TransferObserver& observer) override;
   void close() override;

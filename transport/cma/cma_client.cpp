@@ -63,15 +63,25 @@ void CmaTransport::Job::run() noexcept {
   state->cv.notify_all();
 }
 
-std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserver& observer) {
-  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+std::optional<Error> CmaTransport::endpoint_error(const Endpoint& endpoint) const {
   sockaddr_un addr{};
   socklen_t len = 0;
-  if (!socket_address(spec.endpoint.address, addr, len))
-    throw Error(ErrorCode::InvalidMetadata,
-                "cma endpoint '" + spec.endpoint.address + "' is not an abstract socket name",
-                "endpoints");
-  const OwnerInfo info = parse_info(spec.endpoint.info);  // throws InvalidMetadata
+  if (!socket_address(endpoint.address, addr, len))
+    return Error(ErrorCode::InvalidMetadata,
+                 "cma endpoint '" + endpoint.address + "' is not an abstract socket name",
+                 "endpoints");
+  try {
+    parse_info(endpoint.info);
+  } catch (const Error& e) {
+    return e;
+  }
+  return std::nullopt;
+}
+
+std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  if (auto e = endpoint_error(spec.endpoint)) throw *e;
+  const OwnerInfo info = parse_info(spec.endpoint.info);
   auto t = std::make_unique<CmaTransfer>(*this, next_transfer_++, std::move(spec), observer);
   transfers_[t->id] = t.get();
   std::string error;

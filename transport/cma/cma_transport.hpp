@@ -55,6 +55,7 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   std::shared_ptr<const Registration> register_memory(const Region& region) override;
   std::string expose(const Exposure& exposure, ExposureObserver& observer) override;
   void revoke(std::uint64_t id, const Error& reason) override;
+  std::optional<Error> endpoint_error(const Endpoint& endpoint) const override;
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
   std::string unreachable(const Endpoint& endpoint) const override;
   void close() override;

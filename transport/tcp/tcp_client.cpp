@@ -17,13 +17,18 @@ namespace ferry::transport::tcp {
 // ---------------------------------------------------------------------------------------
 // Client side: active transfers
 
+std::optional<Error> TcpTransport::endpoint_error(const Endpoint& endpoint) const {
+  SocketAddress addr;
+  if (SocketAddress::parse(endpoint.address, addr)) return std::nullopt;
+  return Error(ErrorCode::InvalidMetadata,
+               "tcp endpoint '" + endpoint.address + "' is not a numeric ip:port", "endpoints");
+}
+
 std::unique_ptr<Transfer> TcpTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  if (auto e = endpoint_error(spec.endpoint)) throw *e;
   SocketAddress addr;
-  if (!SocketAddress::parse(spec.endpoint.address, addr))
-    throw Error(ErrorCode::InvalidMetadata,
-                "tcp endpoint '" + spec.endpoint.address + "' is not a numeric ip:port",
-                "endpoints");
+  SocketAddress::parse(spec.endpoint.address, addr);
   auto t = std::make_unique<TcpTransfer>(*this, next_transfer_++, std::move(spec), observer);
   transfers_[t->id] = t.get();
   std::string error;

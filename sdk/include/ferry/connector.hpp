@@ -14,6 +14,7 @@
 #include <ferry/operation.hpp>
 #include <ferry/options.hpp>
 #include <ferry/rdma_metadata.hpp>
+#include <ferry/stats.hpp>
 
 namespace ferry {
 
@@ -138,6 +139,11 @@ class Connector {
   /// The methods of this build, best first: those this connector serves (available), and
   /// why each other one is not. Any thread.
   std::vector<MethodInfo> methods() const;
+
+  /// What this connector's operations have come to since it started: operations and bytes
+  /// by method and outcome, latency of completed ones, how many are live. Any thread; a
+  /// snapshot taken under a short lock, without waiting for the loop.
+  ConnectorStats stats() const;
 
  private:
   static Descriptor bytes_descriptor(std::span<std::byte> memory) {

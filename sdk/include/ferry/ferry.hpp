@@ -9,3 +9,4 @@
 #include <ferry/operation_status.hpp>
 #include <ferry/options.hpp>
 #include <ferry/rdma_metadata.hpp>
+#include <ferry/stats.hpp>

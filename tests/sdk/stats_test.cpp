@@ -1,0 +1,172 @@
+// Connector::stats(): the histogram's arithmetic, and what a connector counts for operations
+// that complete, fail and are cancelled.
+#include <gtest/gtest.h>
+
+#include <ferry/ferry.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <random>
+#include <vector>
+
+#include "tests/support/patterns.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using test::buffer;
+using test::patterned;
+
+constexpr auto kWait = std::chrono::seconds(60);
+
+TEST(LatencyHistogram, EmptyReadsZero) {
+  LatencyHistogram h;
+  EXPECT_EQ(h.count(), 0u);
+  EXPECT_EQ(h.percentile_us(0.5), 0);
+  EXPECT_EQ(h.mean_us(), 0);
+}
+
+TEST(LatencyHistogram, MinMaxAndMeanAreExact) {
+  LatencyHistogram h;
+  h.record(3us);
+  h.record(1000us);
+  h.record(41us);
+  EXPECT_EQ(h.count(), 3u);
+  EXPECT_DOUBLE_EQ(h.min_us(), 3);
+  EXPECT_DOUBLE_EQ(h.max_us(), 1000);
+  EXPECT_DOUBLE_EQ(h.mean_us(), (3 + 1000 + 41) / 3.0);
+}
+
+// Against the exact percentiles of a sorted sample: within the buckets' 1/8 of a power of two.
+TEST(LatencyHistogram, PercentilesWithinTheBucketResolution) {
+  std::mt19937_64 rng(7);
+  std::lognormal_distribution<double> dist(std::log(50'000.0), 1.5);  // ns, median 50 us
+  std::vector<std::int64_t> samples;
+  LatencyHistogram h;
+  for (int i = 0; i < 20000; ++i) {
+    auto ns = static_cast<std::int64_t>(dist(rng));
+    samples.push_back(ns);
+    h.record(std::chrono::nanoseconds(ns));
+  }
+  std::sort(samples.begin(), samples.end());
+  for (double q : {0.01, 0.5, 0.9, 0.99, 0.999}) {
+    const double exact =
+        static_cast<double>(
+            samples[static_cast<std::size_t>(q * static_cast<double>(samples.size())) - 1]) /
+        1e3;
+    EXPECT_NEAR(h.percentile_us(q), exact, exact * 0.125) << "q=" << q;
+  }
+  EXPECT_DOUBLE_EQ(h.percentile_us(1.0), h.max_us());
+  EXPECT_DOUBLE_EQ(h.percentile_us(0.0), h.min_us());
+}
+
+TEST(LatencyHistogram, HugeAndNegativeDurationsStayInRange) {
+  LatencyHistogram h;
+  h.record(std::chrono::hours(24 * 365));
+  h.record(-5ns);
+  EXPECT_EQ(h.count(), 2u);
+  EXPECT_DOUBLE_EQ(h.min_us(), 0);
+  EXPECT_GT(h.percentile_us(1.0), 3e13);
+}
+
+TEST(LatencyHistogram, MergeAddsEverySample) {
+  LatencyHistogram a, b;
+  for (int i = 1; i <= 100; ++i) a.record(std::chrono::microseconds(i));
+  for (int i = 101; i <= 200; ++i) b.record(std::chrono::microseconds(i));
+  a.merge(b);
+  EXPECT_EQ(a.count(), 200u);
+  EXPECT_DOUBLE_EQ(a.max_us(), 200);
+  EXPECT_NEAR(a.percentile_us(0.5), 100, 100 * 0.125);
+}
+
+const MethodStats* find(const ConnectorStats& s, const std::string& method) {
+  for (const auto& m : s.methods)
+    if (m.method == method) return &m;
+  return nullptr;
+}
+
+TEST(ConnectorStats, CountsCompletedOperationsByMethodOnBothSides) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  constexpr std::size_t kSize = 4096 + 17;
+  std::string method;  // the best this host offers: cma or tcp
+  for (int i = 0; i < 5; ++i) {
+    auto src = patterned(kSize, 1);
+    auto dst = buffer(kSize);
+    auto readable = owner.create_readable({Descriptor(src.data(), kSize)});
+    auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), kSize)});
+    ASSERT_TRUE(read.wait_for_completion(kWait));
+    ASSERT_TRUE(readable.wait_for_completion(kWait));
+    method = read.method();
+  }
+  const ConnectorStats p = peer.stats();
+  const MethodStats* m = find(p, method);
+  ASSERT_NE(m, nullptr) << p.to_text();
+  EXPECT_EQ(m->complete.operations, 5u);
+  EXPECT_EQ(m->complete.bytes, 5 * kSize);
+  EXPECT_EQ(m->latency.count(), 5u);
+  EXPECT_GT(m->latency.min_us(), 0);
+  EXPECT_EQ(p.active, 5u);
+  EXPECT_EQ(p.passive, 0u);
+  EXPECT_EQ(p.live, 0u);
+  EXPECT_EQ(p.latency.count(), 5u);
+
+  // The owner's side: passive, ended once its peer had read everything.
+  const ConnectorStats o = owner.stats();
+  ASSERT_NE(find(o, method), nullptr) << o.to_text();
+  EXPECT_EQ(find(o, method)->complete.operations, 5u);
+  EXPECT_EQ(o.passive, 5u);
+  EXPECT_EQ(o.live, 0u);
+}
+
+TEST(ConnectorStats, CountsCancelledAndErroredApartWithoutLatency) {
+  Connector owner(test::named("owner"));
+  auto mem = buffer(64);
+  {
+    auto never_claimed = owner.create_readable({Descriptor(mem.data(), mem.size())});
+    EXPECT_EQ(owner.stats().live, 1u);
+    never_claimed.cancel();
+  }
+  OperationOptions quick;
+  quick.timeout = 20ms;
+  auto timed_out = owner.create_writable({Descriptor(mem.data(), mem.size())}, quick);
+  EXPECT_THROW(timed_out.wait_for_completion(), Error);
+  const ConnectorStats s = owner.stats();
+  const MethodStats* none = find(s, "none");
+  ASSERT_NE(none, nullptr) << s.to_text();
+  EXPECT_EQ(none->cancelled.operations, 1u);
+  EXPECT_EQ(none->errored.operations, 1u);
+  EXPECT_EQ(none->errored.bytes, 64u);
+  EXPECT_EQ(none->complete.operations, 0u);
+  EXPECT_EQ(none->latency.count(), 0u);
+  EXPECT_EQ(s.latency.count(), 0u);
+  EXPECT_EQ(s.passive, 2u);
+  EXPECT_EQ(s.live, 0u);
+}
+
+TEST(ConnectorStats, TextAndJsonCarryTheSameNumbers) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  auto src = patterned(1000, 3);
+  auto dst = buffer(1000);
+  auto writable = owner.create_writable({Descriptor(dst.data(), dst.size())});
+  auto write = peer.begin_write({Descriptor(src.data(), src.size())}, writable.metadata());
+  ASSERT_TRUE(write.wait_for_completion(kWait));
+  const ConnectorStats s = peer.stats();
+  const auto j = nlohmann::json::parse(s.to_json());
+  ASSERT_EQ(j.at("methods").size(), 1u);
+  EXPECT_EQ(j["methods"][0]["method"], write.method());
+  EXPECT_EQ(j["methods"][0]["complete"]["operations"], 1);
+  EXPECT_EQ(j["methods"][0]["complete"]["bytes"], 1000);
+  EXPECT_EQ(j["latency"]["count"], 1);
+  EXPECT_EQ(j["active"], 1);
+  const std::string text = s.to_text();
+  EXPECT_NE(text.find(write.method()), std::string::npos) << text;
+  EXPECT_NE(text.find("1000 B"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace ferry
