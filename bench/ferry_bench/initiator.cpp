@@ -31,20 +31,6 @@ double percentile(const std::vector<double>& sorted, double q) {
   return sorted[std::clamp<std::size_t>(rank, 1, sorted.size()) - 1];
 }
 
-// The stats of a connector, when this build of ferry has Connector::stats().
-template <class C>
-std::optional<std::pair<std::string, std::string>> connector_stats(const C& connector) {
-  if constexpr (requires(const C& c) {
-                  c.stats().to_text();
-                  c.stats().to_json();
-                }) {
-    const auto s = connector.stats();
-    return std::pair{s.to_text(), s.to_json()};
-  } else {
-    return std::nullopt;
-  }
-}
-
 }  // namespace
 
 json PointResult::to_json() const {
@@ -161,27 +147,34 @@ std::string Initiator::aborted() const {
   return abort_why_;
 }
 
-std::string Initiator::stats_text() const {
-  std::string out;
-  for (const auto& [method, connector] : connectors_) {
-    auto stats = connector_stats(*connector);
-    if (!stats) return "Connector::stats() is not in this build of ferry\n";
-    out += "initiator connector (" + method + "):\n" + stats->first;
-    if (!out.empty() && out.back() != '\n') out += '\n';
+ferry::ConnectorStats Initiator::stats() const {
+  // One connector per method: their snapshots added up read as one connector's would.
+  ferry::ConnectorStats all;
+  for (const auto& [name, connector] : connectors_) {
+    const ferry::ConnectorStats s = connector->stats();
+    for (const ferry::MethodStats& m : s.methods) {
+      auto it = std::find_if(all.methods.begin(), all.methods.end(),
+                             [&](const ferry::MethodStats& a) { return a.method == m.method; });
+      if (it == all.methods.end()) {
+        all.methods.push_back(m);
+        continue;
+      }
+      for (auto [into, from] :
+           {std::pair{&it->complete, &m.complete}, std::pair{&it->cancelled, &m.cancelled},
+            std::pair{&it->errored, &m.errored}}) {
+        into->operations += from->operations;
+        into->bytes += from->bytes;
+      }
+      it->latency.merge(m.latency);
+    }
+    all.latency.merge(s.latency);
+    all.active += s.active;
+    all.passive += s.passive;
+    all.live += s.live;
   }
-  return out;
-}
-
-json Initiator::stats_json() const {
-  if (connectors_.empty()) return nullptr;
-  json per_connector = json::object();
-  for (const auto& [method, connector] : connectors_) {
-    auto stats = connector_stats(*connector);
-    if (!stats) return nullptr;
-    per_connector[method] = json::parse(stats->second);
-  }
-  if (per_connector.size() == 1) return per_connector.begin().value();
-  return per_connector;
+  std::sort(all.methods.begin(), all.methods.end(),
+            [](const auto& a, const auto& b) { return a.method < b.method; });
+  return all;
 }
 
 PointResult Initiator::run(PointSpec spec) {

@@ -61,10 +61,8 @@ class Initiator {
   /// Why abort() was called; empty if it was not.
   std::string aborted() const;
 
-  /// Connector::stats() of each connector, as text and as JSON (null when this build of
-  /// ferry has no stats()).
-  std::string stats_text() const;
-  json stats_json() const;
+  /// Connector::stats() of the initiator's connectors (one per method), added up.
+  ferry::ConnectorStats stats() const;
 
  private:
   struct Point;

@@ -158,14 +158,18 @@ int run(Options o) {
   if (!fatal.empty()) say("stopped: " + fatal);
 
   print_table(stdout, results);
-  std::fputs(("\n" + initiator.stats_text()).c_str(), stdout);
+  const ferry::ConnectorStats stats = initiator.stats();
+  std::printf("\nthe initiator's Connector::stats():\n%s", stats.to_text().c_str());
+  if (!stats.to_text().empty() && stats.to_text().back() != '\n') std::printf("\n");
+  std::fflush(stdout);
 
   int status = fatal.empty() ? 0 : 1;
   for (const auto& r : results) {
     if (r.failed()) status = 1;
   }
   try {
-    if (!o.json_path.empty()) write_json(o.json_path, o.command, results, initiator.stats_json());
+    if (!o.json_path.empty())
+      write_json(o.json_path, o.command, results, json::parse(stats.to_json()));
     if (!o.csv_path.empty()) write_csv(o.csv_path, results);
   } catch (const std::exception& e) {
     say(e.what());
