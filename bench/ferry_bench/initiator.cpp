@@ -62,7 +62,6 @@ json PointResult::to_json() const {
 struct Initiator::Point {
   PointSpec spec;
   ferry::Connector* connector = nullptr;
-  std::vector<ferry::Descriptor> unused;
   std::vector<Piece> pieces;
   std::chrono::milliseconds op_timeout{0};
   std::uint64_t cap = 0;  // measured operations at most

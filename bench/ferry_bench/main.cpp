@@ -97,8 +97,11 @@ int run(Options o) {
     nats = std::make_unique<NatsServerProcess>();
     o.nats_url = nats->url();
   }
-  if (o.simulated_verbs && !use_simulated_verbs())
-    say("--simulated_verbs: this build has no simulated fabric (tests or verbs not built)");
+  if (o.simulated_verbs && !use_simulated_verbs()) {
+    say("--simulated_verbs: this build has no simulated fabric (tests or verbs not built); "
+        "verbs is what this host offers");
+    o.simulated_verbs = false;
+  }
   if (o.methods.empty()) {
     for (const auto& m : ferry::probe_methods())
       if (m.available) o.methods.push_back(m.method);
