@@ -52,7 +52,14 @@ std::shared_ptr<const Registration> RegistrationCache::acquire(const Region& reg
   // Only once the method accepted it do the merged ranges leave the index.
   index_.erase(first, last);
   index_[lo] = Slot{reg, clock_};
-  trim();
+  // Trimming scans the whole index. While it is small, at once; once it is large (many
+  // registrations held: an operation of a thousand pages, say), only when it has grown by half
+  // since the last trim, so that the scans cost O(1) per registration, not O(n).
+  if (index_.size() > max_idle_ &&
+      (index_.size() <= max_idle_ + kTrimAlways || index_.size() >= next_trim_)) {
+    trim();
+    next_trim_ = index_.size() + index_.size() / 2 + 1;
+  }
   return reg;
 }
 

@@ -27,7 +27,10 @@ struct Registration {
 /// reuses it; a range that overlaps registered ones without fitting inside one is registered
 /// as the union of them all, which then replaces them in the index (holders of the old ones
 /// keep them until they let go). Unused registrations stay cached, most recently used first,
-/// up to `max_idle`; beyond that the least recently used are released.
+/// up to `max_idle`; beyond that the least recently used are released: at each new
+/// registration while the index holds at most max_idle + 256 entries, and once it holds more
+/// (registrations in use by large operations), each time it has grown by half since the last
+/// trim, so that a thousand-page operation costs O(n log n), not O(n^2).
 ///
 /// Loop thread only (not thread-safe). Destructor: drops the index; registrations still held
 /// live on until their holders let go.
@@ -57,11 +60,14 @@ class RegistrationCache {
     std::uint64_t last_use = 0;
   };
   void trim();
+  /// Up to max_idle + kTrimAlways entries, every new registration trims the index.
+  static constexpr std::size_t kTrimAlways = 256;
 
   RegisterFn register_fn_;
   std::size_t max_idle_;
   std::map<std::uint64_t, Slot> index_;  // by base; the ranges are disjoint
   std::uint64_t clock_ = 0;
+  std::size_t next_trim_ = 0;  ///< a large index is trimmed again once it reaches this size
   std::uint64_t registered_ = 0;
 };
 

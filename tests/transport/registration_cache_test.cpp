@@ -160,6 +160,25 @@ TEST(RegistrationCache, RegistrationsInUseAreNeverTrimmed) {
   EXPECT_NE(cache.find(0x50000, 1), nullptr) << "the most recently used idle one stays";
 }
 
+// Held by a large operation, a large index is not scanned at every registration; its idle
+// entries still go, once it has grown by half.
+TEST(RegistrationCache, ALargeIndexIsTrimmedAsItGrows) {
+  Method m;
+  RegistrationCache cache(m.fn(), 2);
+  std::vector<std::shared_ptr<const Registration>> held;
+  for (std::uint64_t i = 0; i < 1000; ++i)
+    held.push_back(cache.acquire(at(0x10000 * (i + 1), 0x100)));
+  EXPECT_EQ(cache.size(), 1000u);
+  held.clear();  // all idle now
+  std::vector<std::shared_ptr<const Registration>> fresh;
+  std::uint64_t i = 0;
+  for (; i < 1000 && cache.size() > 2 + fresh.size(); ++i)
+    fresh.push_back(cache.acquire(at(0x100000000 + 0x10000 * i, 0x100)));
+  EXPECT_LE(i, 501u) << "the idle registrations were not trimmed within half the index's growth";
+  EXPECT_EQ(cache.size(), 2 + fresh.size());
+  EXPECT_EQ(*m.live, static_cast<int>(2 + fresh.size()));
+}
+
 TEST(RegistrationCache, ARefusedRegistrationLeavesTheIndexUnchanged) {
   Method m;
   RegistrationCache cache(m.fn());
