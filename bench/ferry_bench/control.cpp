@@ -58,6 +58,8 @@ std::size_t NatsConnection::max_payload() const {
 ControlClient::ControlClient(const std::string& url, const std::string& session)
     : nc_(url, "ferry-bench-initiator"), subject_(session + ".ctl") {}
 
+void ControlClient::close() { natsConnection_Close(nc_.get()); }
+
 std::string ControlClient::raw(const std::string& data, std::chrono::milliseconds timeout) {
   natsMsg* msg = nullptr;
   const natsStatus s = natsConnection_Request(&msg, nc_.get(), subject_.c_str(), data.data(),

@@ -67,6 +67,9 @@ class ControlClient {
   /// Sends `request` and waits up to `timeout` for the reply (per piece when chunked).
   /// Throws ControlError.
   Reply request(const json& request, std::chrono::milliseconds timeout);
+  /// Closes the connection: requests waiting for a reply fail now, later ones at once. For a
+  /// target that is gone, whose replies would never come. Any thread.
+  void close();
 
  private:
   std::string raw(const std::string& data, std::chrono::milliseconds timeout);

@@ -14,9 +14,11 @@ namespace {
 
 constexpr std::uint64_t kMinIterations = 8;
 constexpr std::uint64_t kMaxIterations = 100000;
+constexpr std::size_t kMaxLiveDescriptors = 8192;
 // An initiator thread that gets no operation from the target for this long fails the point.
 constexpr auto kStarved = std::chrono::seconds(30);
 constexpr auto kRequestTimeout = std::chrono::seconds(30);
+constexpr auto kBatchTimeout = std::chrono::seconds(3);
 // Waits that also watch for abort() wake at least this often.
 constexpr auto kTick = std::chrono::milliseconds(50);
 
@@ -27,20 +29,6 @@ double percentile(const std::vector<double>& sorted, double q) {
   if (sorted.empty()) return 0;
   auto rank = static_cast<std::size_t>(std::ceil(q * static_cast<double>(sorted.size())));
   return sorted[std::clamp<std::size_t>(rank, 1, sorted.size()) - 1];
-}
-
-// The stats of a connector, when this build of ferry has Connector::stats().
-template <class C>
-std::optional<std::pair<std::string, std::string>> connector_stats(const C& connector) {
-  if constexpr (requires(const C& c) {
-                  c.stats().to_text();
-                  c.stats().to_json();
-                }) {
-    const auto s = connector.stats();
-    return std::pair{s.to_text(), s.to_json()};
-  } else {
-    return std::nullopt;
-  }
 }
 
 }  // namespace
@@ -74,7 +62,6 @@ json PointResult::to_json() const {
 struct Initiator::Point {
   PointSpec spec;
   ferry::Connector* connector = nullptr;
-  std::vector<ferry::Descriptor> unused;
   std::vector<Piece> pieces;
   std::chrono::milliseconds op_timeout{0};
   std::uint64_t cap = 0;  // measured operations at most
@@ -150,6 +137,8 @@ void Initiator::abort(const std::string& why) {
     if (abort_why_.empty()) abort_why_ = why;
   }
   abort_ = true;
+  // A request the target took and will never answer would wait for its timeout.
+  control_.close();
 }
 
 std::string Initiator::aborted() const {
@@ -157,27 +146,34 @@ std::string Initiator::aborted() const {
   return abort_why_;
 }
 
-std::string Initiator::stats_text() const {
-  std::string out;
-  for (const auto& [method, connector] : connectors_) {
-    auto stats = connector_stats(*connector);
-    if (!stats) return "Connector::stats() is not in this build of ferry\n";
-    out += "initiator connector (" + method + "):\n" + stats->first;
-    if (!out.empty() && out.back() != '\n') out += '\n';
+ferry::ConnectorStats Initiator::stats() const {
+  // One connector per method: their snapshots added up read as one connector's would.
+  ferry::ConnectorStats all;
+  for (const auto& [name, connector] : connectors_) {
+    const ferry::ConnectorStats s = connector->stats();
+    for (const ferry::MethodStats& m : s.methods) {
+      auto it = std::find_if(all.methods.begin(), all.methods.end(),
+                             [&](const ferry::MethodStats& a) { return a.method == m.method; });
+      if (it == all.methods.end()) {
+        all.methods.push_back(m);
+        continue;
+      }
+      for (auto [into, from] :
+           {std::pair{&it->complete, &m.complete}, std::pair{&it->cancelled, &m.cancelled},
+            std::pair{&it->errored, &m.errored}}) {
+        into->operations += from->operations;
+        into->bytes += from->bytes;
+      }
+      it->latency.merge(m.latency);
+    }
+    all.latency.merge(s.latency);
+    all.active += s.active;
+    all.passive += s.passive;
+    all.live += s.live;
   }
-  return out;
-}
-
-json Initiator::stats_json() const {
-  if (connectors_.empty()) return nullptr;
-  json per_connector = json::object();
-  for (const auto& [method, connector] : connectors_) {
-    auto stats = connector_stats(*connector);
-    if (!stats) return nullptr;
-    per_connector[method] = json::parse(stats->second);
-  }
-  if (per_connector.size() == 1) return per_connector.begin().value();
-  return per_connector;
+  std::sort(all.methods.begin(), all.methods.end(),
+            [](const auto& a, const auto& b) { return a.method < b.method; });
+  return all;
 }
 
 PointResult Initiator::run(PointSpec spec) {
@@ -205,9 +201,13 @@ PointResult Initiator::run(PointSpec spec) {
     return r;
   }
   // Target operations ahead: twice the operations in flight, and up to 256 when they are
-  // small, within the budget.
-  spec.pool =
-      std::max(slots, std::min(std::max<std::size_t>(2 * slots, 256), kBufferBudget / per_buffer));
+  // small, within the budget; and, beyond twice those in flight, no more than 8192
+  // descriptors live at once: operations of many descriptors are slower to create and carry
+  // large metadata (about 80 KB for 1024 pages), and a few of them ahead are enough.
+  const std::size_t ahead =
+      std::min<std::size_t>({256, kBufferBudget / per_buffer,
+                             std::max<std::size_t>(1, kMaxLiveDescriptors / spec.batch_size)});
+  spec.pool = std::max(slots, std::min(std::max(2 * slots, ahead), kBufferBudget / per_buffer));
   const std::uint64_t cap = options_.num_iter > 0 ? options_.num_iter : kMaxIterations;
   spec.max_ops = options_.warmup_iter * spec.threads + cap;
 
@@ -275,12 +275,15 @@ PointResult Initiator::run(PointSpec spec) {
   }
   threads.clear();
 
-  json counts;
-  try {
-    counts = control_.request(json{{"cmd", "end"}, {"used", started}}, kRequestTimeout).header;
-  } catch (const ControlError& e) {
-    if (!aborted().empty()) throw ControlError(aborted(), false);
-    throw;
+  // A target that cannot end the point ends the run (abort), but this point is still
+  // reported, with what went wrong.
+  json counts = json::object();
+  if (aborted().empty()) {
+    try {
+      counts = control_.request(json{{"cmd", "end"}, {"used", started}}, kRequestTimeout).header;
+    } catch (const ControlError& e) {
+      abort(std::string("ending the point: ") + e.what());
+    }
   }
 
   r.errors = errors;
@@ -294,13 +297,16 @@ PointResult Initiator::run(PointSpec spec) {
                          std::to_string(counts.value("mismatch_bytes", std::uint64_t{0})) +
                          " wrong bytes written (" + counts.value("first_mismatch", "") + ")");
   }
-  if (spec.write && spec.check && counts.value("verified", std::uint64_t{0}) < completed) {
+  if (spec.write && spec.check && aborted().empty() &&
+      counts.value("verified", std::uint64_t{0}) < completed) {
     r.problems.push_back("consistency: the target verified " +
                          std::to_string(counts.value("verified", std::uint64_t{0})) + " of " +
                          std::to_string(completed) + " writes");
   }
   const auto target_completed = counts.value("completed", std::uint64_t{0});
-  if (errors == 0 && target_completed != completed) {
+  if (!aborted().empty()) {
+    r.problems.push_back("stopped: " + aborted());
+  } else if (errors == 0 && target_completed != completed) {
     r.errors +=
         completed > target_completed ? completed - target_completed : target_completed - completed;
     r.problems.push_back("the target saw " + std::to_string(target_completed) +
@@ -324,7 +330,6 @@ PointResult Initiator::run(PointSpec spec) {
   r.prep_p50_us = percentile(prep, 0.5);
   r.post_p50_us = percentile(post, 0.5);
   r.transfer_p50_us = percentile(transfer, 0.5);
-  if (!aborted().empty()) throw ControlError(aborted(), false);
   return r;
 }
 
@@ -342,13 +347,26 @@ void Initiator::fetch(Point& point, Thread& th) {
       want = depth - th.queue.size();
     }
     if (abort_) return;
+    // The target answers a batch within its 20 ms wait; a reply that does not come in
+    // kBatchTimeout is asked again (the operations it carried are cancelled at the end), so
+    // that a fetcher told to stop is never held up for long by a target that died.
     Reply r;
     try {
-      r = control_.request(json{{"cmd", "batch"},
-                                {"max", want},
-                                {"min", std::max<std::size_t>(1, want / 2)},
-                                {"wait_ms", 20}},
-                           kRequestTimeout);
+      const auto give_up = Clock::now() + kRequestTimeout;
+      for (;;) {
+        try {
+          r = control_.request(json{{"cmd", "batch"},
+                                    {"max", want},
+                                    {"min", std::max<std::size_t>(1, want / 2)},
+                                    {"wait_ms", 20}},
+                               kBatchTimeout);
+          break;
+        } catch (const ControlError& e) {
+          if (e.no_responders() || abort_ || Clock::now() > give_up) throw;
+          std::lock_guard lock(th.mu);
+          if (th.fetch_stop) return;
+        }
+      }
     } catch (const std::exception& e) {
       point.problem(std::string("fetching operations from the target: ") + e.what());
       point.stop = true;

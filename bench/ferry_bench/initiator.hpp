@@ -50,20 +50,19 @@ class Initiator {
   Initiator(const Options& options, ControlClient& control);
   ~Initiator();
 
-  /// Runs one point against the target. Throws ControlError when the target cannot be
-  /// reached any more (the run cannot go on).
+  /// Runs one point against the target. Throws ControlError when the target does not take
+  /// the point; when it fails later (the target gone), the point is returned with its errors
+  /// and aborted() says why the run cannot go on.
   PointResult run(PointSpec spec);
 
   /// Makes the running point (and any later one) stop at once: in-flight operations are
-  /// cancelled. Any thread.
+  /// cancelled and the control connection is closed. Any thread.
   void abort(const std::string& why);
   /// Why abort() was called; empty if it was not.
   std::string aborted() const;
 
-  /// Connector::stats() of each connector, as text and as JSON (null when this build of
-  /// ferry has no stats()).
-  std::string stats_text() const;
-  json stats_json() const;
+  /// Connector::stats() of the initiator's connectors (one per method), added up.
+  ferry::ConnectorStats stats() const;
 
  private:
   struct Point;

@@ -97,8 +97,11 @@ int run(Options o) {
     nats = std::make_unique<NatsServerProcess>();
     o.nats_url = nats->url();
   }
-  if (o.simulated_verbs && !use_simulated_verbs())
-    say("--simulated_verbs: this build has no simulated fabric (tests or verbs not built)");
+  if (o.simulated_verbs && !use_simulated_verbs()) {
+    say("--simulated_verbs: this build has no simulated fabric (tests or verbs not built); "
+        "verbs is what this host offers");
+    o.simulated_verbs = false;
+  }
   if (o.methods.empty()) {
     for (const auto& m : ferry::probe_methods())
       if (m.available) o.methods.push_back(m.method);
@@ -149,21 +152,27 @@ int run(Options o) {
       }
       for (const auto& p : r.problems) say(describe(r) + ": " + p);
       results.push_back(std::move(r));
+      if (auto why = initiator.aborted(); !why.empty()) throw ControlError(why, false);
     }
   } catch (const std::exception& e) {
-    fatal = e.what();
+    // A request cut short by abort() fails with the closed connection; say why it was closed.
+    fatal = initiator.aborted().empty() ? e.what() : initiator.aborted();
   }
   if (!fatal.empty()) say("stopped: " + fatal);
 
   print_table(stdout, results);
-  std::fputs(("\n" + initiator.stats_text()).c_str(), stdout);
+  const ferry::ConnectorStats stats = initiator.stats();
+  std::printf("\nthe initiator's Connector::stats():\n%s", stats.to_text().c_str());
+  if (!stats.to_text().empty() && stats.to_text().back() != '\n') std::printf("\n");
+  std::fflush(stdout);
 
   int status = fatal.empty() ? 0 : 1;
   for (const auto& r : results) {
     if (r.failed()) status = 1;
   }
   try {
-    if (!o.json_path.empty()) write_json(o.json_path, o.command, results, initiator.stats_json());
+    if (!o.json_path.empty())
+      write_json(o.json_path, o.command, results, json::parse(stats.to_json()));
     if (!o.csv_path.empty()) write_csv(o.csv_path, results);
   } catch (const std::exception& e) {
     say(e.what());

@@ -42,6 +42,11 @@ extern "C" void on_fatal_signal(int sig) {
     const pid_t pid = slot.load();
     if (pid > 0) ::kill(pid, SIGKILL);
   }
+  // Reaped here, so that none is left even as a zombie when this process is gone.
+  for (auto& slot : g_children) {
+    const pid_t pid = slot.exchange(0);
+    if (pid > 0) ::waitpid(pid, nullptr, 0);
+  }
   ::signal(sig, SIG_DFL);
   ::raise(sig);
 }
