@@ -1,7 +1,9 @@
 #include <ferry/error.hpp>
 #include <ferry/rdma_metadata.hpp>
 
+#include <charconv>
 #include <limits>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -113,7 +115,157 @@ void RdmaMetadata::validate() const {
   if (!is_lower_hex(token, 32)) invalid("token", "must be 32 lowercase hex digits");
 }
 
+namespace {
+
+// Whether `s` is valid UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing above
+// U+10FFFF), which the fast writer copies (escaping only what JSON needs escaped); anything
+// else goes to the general writer, which replaces it.
+bool plain(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const auto* end = p + s.size();
+  while (p < end) {
+    const unsigned char c = *p;
+    if (c < 0x80) {
+      ++p;
+      continue;
+    }
+    int more = 0;
+    unsigned char lo = 0x80, hi = 0xbf;  // the range of the second byte
+    if (c >= 0xc2 && c <= 0xdf) {
+      more = 1;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      more = 2;
+      if (c == 0xe0) lo = 0xa0;
+      if (c == 0xed) hi = 0x9f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      more = 3;
+      if (c == 0xf0) lo = 0x90;
+      if (c == 0xf4) hi = 0x8f;
+    } else {
+      return false;
+    }
+    if (end - p <= more) return false;
+    if (p[1] < lo || p[1] > hi) return false;
+    for (int i = 2; i <= more; ++i)
+      if (p[i] < 0x80 || p[i] > 0xbf) return false;
+    p += more + 1;
+  }
+  return true;
+}
+
+template <class Int>
+void put_number(std::string& out, Int value) {
+  char buf[24];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, value);
+  (void)ec;  // 24 characters hold any 64-bit integer
+  out.append(buf, end);
+}
+
+// Valid UTF-8 `s` as a JSON string, escaped as nlohmann's writer escapes it.
+void put_string(std::string& out, std::string_view s) {
+  static const char hex[] = "0123456789abcdef";
+  out += '"';
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (c < 0x20) {
+          out += "\\u00";
+          out += hex[c >> 4];
+          out += hex[c & 0xf];
+        } else {
+          out += ch;
+        }
+    }
+  }
+  out += '"';
+}
+
+}  // namespace
+
 std::string RdmaMetadata::to_json() const {
+  // The fast path writes the same bytes as the general one below (keys in the order
+  // nlohmann's object sorts them, no spaces) when every text is valid UTF-8: a fraction of
+  // the instructions, which matter when metadata goes out with every small operation
+  // (docs/PERFORMANCE.md). Otherwise the general path replaces what is not valid UTF-8.
+  std::vector<std::string> devices;
+  devices.reserve(descriptors.size());
+  bool fast = plain(notification_key) && plain(owner.name) && plain(owner.id) &&
+              plain(owner.host) && plain(token);
+  for (const auto& e : endpoints)
+    fast = fast && plain(e.method) && plain(e.address) && plain(e.info);
+  for (const auto& d : descriptors) {
+    devices.push_back(d.device.to_string());
+    fast = fast && plain(devices.back());
+  }
+  if (fast) {
+    std::string out;
+    out.reserve(256 + 64 * descriptors.size() + 128 * endpoints.size());
+    out += "{\"descriptors\":[";
+    for (std::size_t i = 0; i < descriptors.size(); ++i) {
+      if (i > 0) out += ',';
+      out += "{\"device\":";
+      put_string(out, devices[i]);
+      out += ",\"ptr\":";
+      put_number(out, descriptors[i].ptr);
+      out += ",\"size\":";
+      put_number(out, descriptors[i].size);
+      out += '}';
+    }
+    out += "],\"endpoints\":[";
+    for (std::size_t i = 0; i < endpoints.size(); ++i) {
+      const Endpoint& e = endpoints[i];
+      if (i > 0) out += ',';
+      out += "{\"address\":";
+      put_string(out, e.address);
+      if (!e.info.empty()) {
+        out += ",\"info\":";
+        put_string(out, e.info);
+      }
+      out += ",\"method\":";
+      put_string(out, e.method);
+      out += '}';
+    }
+    out += "],\"notification_key\":";
+    put_string(out, notification_key);
+    out += ",\"operation_kind\":";
+    put_string(out, to_string(operation_kind));
+    out += ",\"owner\":{\"host\":";
+    put_string(out, owner.host);
+    out += ",\"id\":";
+    put_string(out, owner.id);
+    out += ",\"name\":";
+    put_string(out, owner.name);
+    out += ",\"pid\":";
+    put_number(out, owner.pid);
+    out += "},\"token\":";
+    put_string(out, token);
+    out += ",\"version\":";
+    put_number(out, version);
+    out += '}';
+    return out;
+  }
   json descs = json::array();
   for (const auto& d : descriptors)
     descs.push_back({{"device", d.device.to_string()}, {"ptr", d.ptr}, {"size", d.size}});

@@ -61,6 +61,67 @@ TEST(RdmaMetadata, ToJsonReplacesInvalidUtf8InsteadOfThrowing) {
   EXPECT_NE(back.owner.name.find("\xef\xbf\xbd"), std::string::npos) << back.owner.name;
 }
 
+// to_json writes plain text fast and everything else through the general JSON writer: both
+// give exactly the bytes nlohmann's dump of the same document gives (keys sorted, no spaces).
+TEST(RdmaMetadata, ToJsonWritesWhatTheGeneralWriterWrites) {
+  auto reference = [](const RdmaMetadata& m) {
+    json descs = json::array();
+    for (const auto& d : m.descriptors)
+      descs.push_back({{"device", d.device.to_string()}, {"ptr", d.ptr}, {"size", d.size}});
+    json eps = json::array();
+    for (const auto& e : m.endpoints) {
+      json ep = {{"method", e.method}, {"address", e.address}};
+      if (!e.info.empty()) ep["info"] = e.info;
+      eps.push_back(ep);
+    }
+    json doc = {{"version", m.version},
+                {"operation_kind", std::string(to_string(m.operation_kind))},
+                {"notification_key", m.notification_key},
+                {"owner",
+                 {{"name", m.owner.name},
+                  {"id", m.owner.id},
+                  {"host", m.owner.host},
+                  {"pid", m.owner.pid}}},
+                {"endpoints", eps},
+                {"descriptors", descs},
+                {"token", m.token}};
+    return doc.dump(-1, ' ', false, json::error_handler_t::replace);
+  };
+  RdmaMetadata m = sample();
+  EXPECT_EQ(m.to_json(), reference(m));
+  m.endpoints.push_back({"cma", "@ferry-cma-1234", "{\"pid\":1,\"boot\":\"x\"}"});  // escapes
+  EXPECT_EQ(m.to_json(), reference(m));
+  m.endpoints.pop_back();
+  m.owner.name = "tab\there";  // a control character
+  EXPECT_EQ(m.to_json(), reference(m));
+  m.owner.name =
+      "d\xc3\xa9"
+      "code";  // UTF-8
+  EXPECT_EQ(m.to_json(), reference(m));
+  // Every escape, 4-byte UTF-8, and the invalid forms the general writer replaces.
+  for (std::string text :
+       {std::string("q\"b\\s\b\f\n\r\t\x01\x1f\x7f"), std::string("\xf0\x9f\x98\x80 \xe2\x82\xac"),
+        std::string("\xc0\xaf"), std::string("\xed\xa0\x80"), std::string("\xf4\x90\x80\x80"),
+        std::string("\xe2\x82"), std::string("\x80"), std::string("ok\xff"),
+        std::string(1, '\0')}) {
+    m.owner.host = text;
+    m.endpoints[0].address = text;
+    EXPECT_EQ(m.to_json(), reference(m)) << "text of " << text.size() << " bytes";
+  }
+  m.endpoints = sample().endpoints;
+  m.owner.name = "decode";
+  m.owner.pid = -1;
+  m.descriptors.clear();
+  for (std::uint64_t i = 0; i < 300; ++i)
+    m.descriptors.push_back(
+        {0x1000 * (i + 1), i + 1, i % 3 == 0 ? Device::cuda(1) : Device::host()});
+  m.endpoints.clear();
+  EXPECT_EQ(m.to_json(), reference(m));
+  m.descriptors = {{std::numeric_limits<std::uint64_t>::max(), 0, Device::host()}};
+  m.owner.pid = std::numeric_limits<std::int64_t>::min();
+  EXPECT_EQ(m.to_json(), reference(m));
+}
+
 TEST(RdmaMetadata, DocumentCarriesAVersion) {
   json doc = json::parse(sample().to_json());
   EXPECT_EQ(doc.at("version"), RdmaMetadata::kVersion);
