@@ -2,12 +2,15 @@
 #include <ferry/rdma_metadata.hpp>
 
 #include <charconv>
+#include <cstring>
 #include <limits>
+#include <optional>
 #include <string_view>
 
 #include <nlohmann/json.hpp>
 
 #include "loop/ids.hpp"
+#include "sdk/src/metadata_json.hpp"
 
 namespace ferry {
 
@@ -102,14 +105,15 @@ void RdmaMetadata::validate() const {
     invalid("descriptors", "more than " + std::to_string(kMaxDescriptors) + " descriptors");
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < descriptors.size(); ++i) {
-    const std::string at = "descriptors[" + std::to_string(i) + "]";
+    // The field's name is built only for an error: this loop runs for every descriptor.
+    auto at = [i] { return "descriptors[" + std::to_string(i) + "]"; };
     const auto& d = descriptors[i];
-    if (d.ptr == 0) invalid(at + ".ptr", "must not be null");
-    if (d.size == 0) invalid(at + ".size", "must be greater than zero");
+    if (d.ptr == 0) invalid(at() + ".ptr", "must not be null");
+    if (d.size == 0) invalid(at() + ".size", "must be greater than zero");
     if (d.size > std::numeric_limits<std::uint64_t>::max() - d.ptr)
-      invalid(at + ".size", "ptr + size overflows");
+      invalid(at() + ".size", "ptr + size overflows");
     if (d.size > std::numeric_limits<std::uint64_t>::max() - total)
-      invalid(at + ".size", "the total size overflows");
+      invalid(at() + ".size", "the total size overflows");
     total += d.size;
   }
   if (!is_lower_hex(token, 32)) invalid("token", "must be 32 lowercase hex digits");
@@ -289,10 +293,172 @@ std::string RdmaMetadata::to_json() const {
   return doc.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+namespace {
+
+// Reads the form to_json writes, and nothing else: keys in that order, no whitespace, strings
+// of ASCII with simple escapes, integers. Any other document, or a value the general reader
+// would refuse before validate() (an unknown version or kind, a bad device, too many
+// entries), makes it give up, and the general reader takes the text from the start; so the
+// answer is the same either way, only cheaper for the documents ferry itself writes
+// (docs/PERFORMANCE.md).
+class CanonicalReader {
+ public:
+  explicit CanonicalReader(std::string_view text)
+      : p_(text.data()), end_(text.data() + text.size()) {}
+
+  std::optional<RdmaMetadata> read() {
+    RdmaMetadata m;
+    if (!lit("{\"descriptors\":[")) return std::nullopt;
+    std::string device;
+    if (!peek(']')) {
+      do {
+        RemoteDescriptor d;
+        if (!lit("{\"device\":") || !str(device) || !lit(",\"ptr\":") || !unsigned_int(d.ptr) ||
+            !lit(",\"size\":") || !unsigned_int(d.size) || !lit("}"))
+          return std::nullopt;
+        if (m.descriptors.size() == RdmaMetadata::kMaxDescriptors) return std::nullopt;
+        try {
+          d.device = device == "host" ? Device::host() : Device(device);
+        } catch (const Error&) {
+          return std::nullopt;
+        }
+        m.descriptors.push_back(d);
+      } while (lit(","));
+    }
+    if (!lit("],\"endpoints\":[")) return std::nullopt;
+    if (!peek(']')) {
+      do {
+        Endpoint e;
+        if (!lit("{\"address\":") || !str(e.address)) return std::nullopt;
+        if (lit(",\"info\":") && !str(e.info)) return std::nullopt;
+        if (!lit(",\"method\":") || !str(e.method) || !lit("}")) return std::nullopt;
+        if (m.endpoints.size() == RdmaMetadata::kMaxEndpoints) return std::nullopt;
+        m.endpoints.push_back(std::move(e));
+      } while (lit(","));
+    }
+    std::string kind;
+    std::int64_t version = 0;
+    if (!lit("],\"notification_key\":") || !str(m.notification_key) ||
+        !lit(",\"operation_kind\":") || !str(kind) || !lit(",\"owner\":{\"host\":") ||
+        !str(m.owner.host) || !lit(",\"id\":") || !str(m.owner.id) || !lit(",\"name\":") ||
+        !str(m.owner.name) || !lit(",\"pid\":") || !signed_int(m.owner.pid) ||
+        !lit("},\"token\":") || !str(m.token) || !lit(",\"version\":") || !signed_int(version) ||
+        !lit("}") || p_ != end_)
+      return std::nullopt;
+    if (version != RdmaMetadata::kVersion) return std::nullopt;
+    if (kind == "read")
+      m.operation_kind = OperationKind::read;
+    else if (kind == "write")
+      m.operation_kind = OperationKind::write;
+    else
+      return std::nullopt;
+    return m;
+  }
+
+ private:
+  bool lit(std::string_view s) {
+    if (static_cast<std::size_t>(end_ - p_) < s.size() || std::memcmp(p_, s.data(), s.size()) != 0)
+      return false;
+    p_ += s.size();
+    return true;
+  }
+  bool peek(char c) const { return p_ < end_ && *p_ == c; }
+
+  bool str(std::string& out) {
+    if (!lit("\"")) return false;
+    out.clear();
+    const char* start = p_;
+    while (p_ < end_) {
+      const auto c = static_cast<unsigned char>(*p_);
+      if (c == '"') {
+        out.append(start, p_);
+        ++p_;
+        return true;
+      }
+      if (c < 0x20 || c >= 0x80) return false;  // raw UTF-8 and the rest: the general reader
+      if (c != '\\') {
+        ++p_;
+        continue;
+      }
+      out.append(start, p_);
+      if (++p_ == end_) return false;
+      switch (*p_) {
+        case '"':
+          out += '"';
+          break;
+        case '\\':
+          out += '\\';
+          break;
+        case '/':
+          out += '/';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
+        default:
+          return false;  // \u escapes: the general reader
+      }
+      start = ++p_;
+    }
+    return false;
+  }
+
+  // Digits as JSON writes an integer: no leading zero, no fraction or exponent after.
+  bool digits_end(const char* from) const {
+    if (from == end_ || *from < '0' || *from > '9') return false;
+    if (*from == '0' && from + 1 < end_ && from[1] >= '0' && from[1] <= '9') return false;
+    return true;
+  }
+  bool number_done() const { return p_ == end_ || (*p_ != '.' && *p_ != 'e' && *p_ != 'E'); }
+
+  bool unsigned_int(std::uint64_t& v) {
+    if (!digits_end(p_)) return false;
+    auto [next, ec] = std::from_chars(p_, end_, v);
+    if (ec != std::errc()) return false;
+    p_ = next;
+    return number_done();
+  }
+  bool signed_int(std::int64_t& v) {
+    if (!digits_end(p_ < end_ && *p_ == '-' ? p_ + 1 : p_)) return false;
+    auto [next, ec] = std::from_chars(p_, end_, v);
+    if (ec != std::errc()) return false;
+    p_ = next;
+    return number_done();
+  }
+
+  const char* p_;
+  const char* end_;
+};
+
+}  // namespace
+
 RdmaMetadata RdmaMetadata::from_json(std::string_view text) {
   if (text.size() > kMaxJsonBytes)
     invalid("", "document of " + std::to_string(text.size()) + " bytes exceeds the limit of " +
                     std::to_string(kMaxJsonBytes));
+  if (std::optional<RdmaMetadata> m = CanonicalReader(text).read()) {
+    m->validate();
+    return std::move(*m);
+  }
+  return detail::metadata_from_json_general(text);
+}
+
+RdmaMetadata detail::metadata_from_json_general(std::string_view text) {
+  if (text.size() > RdmaMetadata::kMaxJsonBytes)
+    invalid("", "document of " + std::to_string(text.size()) + " bytes exceeds the limit of " +
+                    std::to_string(RdmaMetadata::kMaxJsonBytes));
   json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) invalid("", "not valid JSON");
   if (!doc.is_object()) invalid("", "must be a JSON object");
@@ -300,9 +466,9 @@ RdmaMetadata RdmaMetadata::from_json(std::string_view text) {
   RdmaMetadata m;
   // The version first: a document of another version may differ in everything else.
   std::int64_t version = get_integer(doc, "", "version");
-  if (version != kVersion)
+  if (version != RdmaMetadata::kVersion)
     invalid("version", "unknown version " + std::to_string(version) + " (this build reads " +
-                           std::to_string(kVersion) + ")");
+                           std::to_string(RdmaMetadata::kVersion) + ")");
   m.version = static_cast<int>(version);
   m.operation_kind = kind_from_string(get_string(doc, "", "operation_kind"));
   m.notification_key = get_string(doc, "", "notification_key");
@@ -315,8 +481,8 @@ RdmaMetadata RdmaMetadata::from_json(std::string_view text) {
   m.owner.pid = get_integer(owner, "owner", "pid");
 
   const json& eps = get_array(doc, "endpoints");
-  if (eps.size() > kMaxEndpoints)
-    invalid("endpoints", "more than " + std::to_string(kMaxEndpoints) + " endpoints");
+  if (eps.size() > RdmaMetadata::kMaxEndpoints)
+    invalid("endpoints", "more than " + std::to_string(RdmaMetadata::kMaxEndpoints) + " endpoints");
   for (std::size_t i = 0; i < eps.size(); ++i) {
     const std::string at = "endpoints[" + std::to_string(i) + "]";
     if (!eps[i].is_object()) invalid(at, "must be an object");
@@ -326,8 +492,9 @@ RdmaMetadata RdmaMetadata::from_json(std::string_view text) {
   }
 
   const json& descs = get_array(doc, "descriptors");
-  if (descs.size() > kMaxDescriptors)
-    invalid("descriptors", "more than " + std::to_string(kMaxDescriptors) + " descriptors");
+  if (descs.size() > RdmaMetadata::kMaxDescriptors)
+    invalid("descriptors",
+            "more than " + std::to_string(RdmaMetadata::kMaxDescriptors) + " descriptors");
   m.descriptors.reserve(descs.size());
   for (std::size_t i = 0; i < descs.size(); ++i) {
     const std::string at = "descriptors[" + std::to_string(i) + "]";

@@ -3,7 +3,9 @@
 // Findings: anything but ferry::Error escaping from_json (a std::exception of the JSON
 // library, a bad_alloc from an unchecked size); a document that parses but whose to_json does
 // not parse back to an equal value; validate() throwing on a value from_json accepted; and
-// whatever AddressSanitizer and UndefinedBehaviorSanitizer catch on the way.
+// whatever AddressSanitizer and UndefinedBehaviorSanitizer catch on the way. And: from_json's
+// direct reading of to_json's own form disagreeing with the general reader (a different value,
+// or a different error).
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +15,8 @@
 #include <string_view>
 
 #include <ferry/ferry.hpp>
+
+#include "sdk/src/metadata_json.hpp"
 
 namespace {
 
@@ -39,10 +43,27 @@ bool only_ferry_errors(const char* call, F&& f) {
   }
 }
 
+// The value or the error a reader gives, as text to compare.
+template <class F>
+std::string outcome(F&& read) {
+  try {
+    return "ok " + read().to_json();
+  } catch (const ferry::Error& e) {
+    return "error " + std::string(ferry::to_string(e.code())) + " " + e.field() + ": " +
+           e.message();
+  } catch (...) {
+    return "other";  // only_ferry_errors below reports it
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
+
+  if (outcome([&] { return ferry::RdmaMetadata::from_json(text); }) !=
+      outcome([&] { return ferry::detail::metadata_from_json_general(text); }))
+    finding("from_json and the general reader disagree", text);
 
   ferry::RdmaMetadata parsed;
   if (!only_ferry_errors("from_json", [&] { parsed = ferry::RdmaMetadata::from_json(text); }))

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sdk/src/metadata_json.hpp"
+
 namespace ferry {
 namespace {
 
@@ -120,6 +122,70 @@ TEST(RdmaMetadata, ToJsonWritesWhatTheGeneralWriterWrites) {
   m.descriptors = {{std::numeric_limits<std::uint64_t>::max(), 0, Device::host()}};
   m.owner.pid = std::numeric_limits<std::int64_t>::min();
   EXPECT_EQ(m.to_json(), reference(m));
+}
+
+// from_json reads to_json's own form directly and everything else through the general reader:
+// for any text, both give the same value or the same error (code, field and message).
+std::string outcome(const std::function<RdmaMetadata()>& read) {
+  try {
+    return "ok " + read().to_json();
+  } catch (const Error& e) {
+    return "error " + std::string(to_string(e.code())) + " " + e.field() + ": " + e.message();
+  }
+}
+
+void expect_same_reading(const std::string& text) {
+  EXPECT_EQ(outcome([&] { return RdmaMetadata::from_json(text); }),
+            outcome([&] { return detail::metadata_from_json_general(text); }))
+      << text;
+}
+
+TEST(RdmaMetadata, FastReadingAgreesWithTheGeneralReader) {
+  RdmaMetadata m = sample();
+  m.endpoints.push_back({"cma", "@ferry-cma-1", "{\"pid\":12,\"boot\":\"a/b\\c\"}"});
+  const std::string doc = m.to_json();
+  expect_same_reading(doc);
+  EXPECT_EQ(RdmaMetadata::from_json(doc), m);
+  // Every byte dropped, and every byte replaced by each of a few that matter to JSON.
+  for (std::size_t i = 0; i < doc.size(); ++i) {
+    std::string dropped = doc;
+    dropped.erase(i, 1);
+    expect_same_reading(dropped);
+    for (char c : {'0', '9', '-', '"', '\\', ' ', '}', ',', 'x', '.', 'e', '\x80', '\x01'}) {
+      std::string changed = doc;
+      changed[i] = c;
+      expect_same_reading(changed);
+    }
+  }
+  // Values the general reader refuses before validate(), and numbers at their limits.
+  for (const std::string& text : {doc.substr(0, doc.size() - 2) + "2}", std::string("{}"),
+                                  std::string(""), doc + " ", " " + doc}) {
+    expect_same_reading(text);
+  }
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string t = doc;
+    const auto at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) t.replace(at, from.size(), to);
+    return t;
+  };
+  for (const std::string& text :
+       {with("\"pid\":4242", "\"pid\":-0"), with("\"pid\":4242", "\"pid\":-9223372036854775808"),
+        with("\"pid\":4242", "\"pid\":9223372036854775808"),
+        with("\"pid\":4242", "\"pid\":-9223372036854775809"),
+        with("\"size\":4096", "\"size\":18446744073709551615"),
+        with("\"size\":4096", "\"size\":18446744073709551616"), with("\"size\":4096", "\"size\":0"),
+        with("\"size\":4096", "\"size\":04096"), with("\"size\":4096", "\"size\":4096.0"),
+        with("\"size\":4096", "\"size\":4e3"), with("\"device\":\"host\"", "\"device\":\"cuda:x\""),
+        with("\"operation_kind\":\"write\"", "\"operation_kind\":\"both\""),
+        with("\"name\":\"decode-0\"", "\"name\":\"\""),
+        with("\"name\":\"decode-0\"", "\"name\":\"d\\u00e9code\""),
+        with("\"name\":\"decode-0\"",
+             "\"name\":\"d\xc3\xa9"
+             "code\""),
+        with("\"version\":1", "\"version\":01")}) {
+    expect_same_reading(text);
+  }
 }
 
 TEST(RdmaMetadata, DocumentCarriesAVersion) {
