@@ -54,7 +54,6 @@ std::shared_ptr<detail::ActiveOperation> begin(detail::Core& core, OperationKind
   auto timeout = core.effective_timeout(options);
   // Off the loop, the call does not wait for it: the operation starts there, and what only
   // the loop can find out ends it with an error (one thread hop less per operation).
-  if (!core.loop->in_loop_thread()) return core.post_active(remote, std::move(local), timeout);
   return core.begin_active(remote, std::move(local), timeout);
 }
 
@@ -70,8 +69,6 @@ std::shared_ptr<detail::ActiveOperation> begin(detail::Core& core, OperationKind
   detail::check_local(local);
   if (kind == OperationKind::read) check_writable(local, "begin_read");
   auto timeout = core.effective_timeout(options);
-  if (!core.loop->in_loop_thread())
-    return core.post_by_subject(kind, subject.name, std::move(local), timeout);
   return core.begin_by_subject(kind, subject.name, std::move(local), timeout);
 }
 

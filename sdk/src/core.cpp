@@ -211,12 +211,17 @@ std::vector<Endpoint> Core::reachable(const RdmaMetadata& remote) const {
   return out;
 }
 
-std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaMetadata& remote) {
-  const std::vector<Endpoint> endpoints_allowed = reachable(remote);
+transport::MethodSelector::Needs Core::needs_of(const RdmaMetadata& remote) const {
   transport::MethodSelector::Needs needs;
   needs.peer = remote.owner.id;
   needs.peer_name = remote.owner.name;
   needs.same_host = remote.owner.host == identity.host;
+  return needs;
+}
+
+std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaMetadata& remote) {
+  const std::vector<Endpoint> endpoints_allowed = reachable(remote);
+  transport::MethodSelector::Needs needs = needs_of(remote);
   for (const auto& t : transports) {
     const std::string& method = t->capabilities().method;
     for (const Endpoint& e : endpoints_allowed)
@@ -233,10 +238,7 @@ std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaM
 
 void Core::precheck(const RdmaMetadata& remote) const {
   const std::vector<Endpoint> endpoints_allowed = reachable(remote);
-  transport::MethodSelector::Needs needs;
-  needs.peer = remote.owner.id;
-  needs.peer_name = remote.owner.name;
-  needs.same_host = remote.owner.host == identity.host;
+  const transport::MethodSelector::Needs needs = needs_of(remote);
   // A selector that remembers no failures: only what is fixed decides. Endpoints that a
   // usable method could not even parse make the metadata invalid.
   for (const auto& c : transport::MethodSelector().choose(capabilities, endpoints_allowed, needs))
@@ -267,22 +269,10 @@ std::shared_ptr<PassiveOperation> Core::create_passive(OperationKind kind,
   return op;
 }
 
-std::shared_ptr<ActiveOperation> Core::begin_active(const RdmaMetadata& remote,
-                                                    std::vector<Descriptor> local,
-                                                    std::chrono::milliseconds timeout) {
-  if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
-  auto op = std::make_shared<ActiveOperation>(shared_from_this(), next_id(), remote.operation_kind,
-                                              std::move(local));
-  op->set_status(OperationStatus::in_progress);
-  op->start(remote);
-  op->arm(timeout);
-  return op;
-}
-
 namespace {
 
-// Starts an active operation on the loop; when the loop closes before running it, the
-// operation ends cancelled (no transport ever saw it).
+// An active operation's start, handed to the loop; when the loop closes before running it,
+// the operation ends cancelled (no transport ever saw it).
 struct PostedStart {
   std::shared_ptr<ActiveOperation> op;
   std::function<void(ActiveOperation&)> start;
@@ -292,12 +282,14 @@ struct PostedStart {
   PostedStart() = default;
   PostedStart(const PostedStart&) = delete;
   PostedStart& operator=(const PostedStart&) = delete;
+  ~PostedStart() {
+    if (!ran && op) op->abandon(Error(ErrorCode::Cancelled, "the connector was closed"));
+  }
 
   void run() {
     ran = true;
-    Core& core = *op->core;
     op->arm(timeout);
-    if (core.closed) {
+    if (op->core->closed) {
       op->finish(OperationStatus::cancelled,
                  Error(ErrorCode::Cancelled, "the connector was closed"));
       return;
@@ -308,64 +300,51 @@ struct PostedStart {
       op->finish(OperationStatus::errored, e);
     }
   }
-
-  // Hands `op` to the loop; throws InvalidState when it is closed.
-  static void post(Core& core, std::shared_ptr<ActiveOperation> op,
-                   std::function<void(ActiveOperation&)> start, std::chrono::milliseconds timeout) {
-    op->set_status(OperationStatus::in_progress);
-    auto task = std::make_shared<PostedStart>();
-    task->op = std::move(op);
-    task->start = std::move(start);
-    task->timeout = timeout;
-    if (!core.loop->post([task] { task->run(); })) {
-      task->ran = true;  // nothing to abandon: the caller gets the error
-      throw Error(ErrorCode::InvalidState, "the connector is closed");
-    }
-  }
-  ~PostedStart() {
-    if (!ran && op) op->abandon(Error(ErrorCode::Cancelled, "the connector was closed"));
-  }
 };
 
 }  // namespace
 
-std::shared_ptr<ActiveOperation> Core::post_active(const RdmaMetadata& remote,
-                                                   std::vector<Descriptor> local,
-                                                   std::chrono::milliseconds timeout) {
-  precheck(remote);
-  auto op = std::make_shared<ActiveOperation>(shared_from_this(), next_id(), remote.operation_kind,
-                                              std::move(local));
-  PostedStart::post(
-      *this, op, [remote](ActiveOperation& o) { o.start(remote); }, timeout);
+std::shared_ptr<ActiveOperation> Core::launch(std::shared_ptr<ActiveOperation> op,
+                                              std::function<void(ActiveOperation&)> start,
+                                              std::chrono::milliseconds timeout) {
+  op->set_status(OperationStatus::in_progress);
+  if (loop->in_loop_thread()) {
+    if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
+    start(*op);  // throws to the caller: the operation was never armed
+    op->arm(timeout);
+    return op;
+  }
+  auto task = std::make_shared<PostedStart>();
+  task->op = op;
+  task->start = std::move(start);
+  task->timeout = timeout;
+  if (!loop->post([task] { task->run(); })) {
+    task->ran = true;  // nothing to abandon: the caller gets the error
+    throw Error(ErrorCode::InvalidState, "the connector is closed");
+  }
   return op;
 }
 
-std::shared_ptr<ActiveOperation> Core::post_by_subject(OperationKind kind,
-                                                       const std::string& subject,
-                                                       std::vector<Descriptor> local,
-                                                       std::chrono::milliseconds timeout) {
-  auto op =
-      std::make_shared<ActiveOperation>(shared_from_this(), next_id(), kind, std::move(local));
-  op->asking.emplace();
-  op->asking->subject = subject;
-  PostedStart::post(
-      *this, op, [](ActiveOperation& o) { pairing::ask(o); }, timeout);
-  return op;
+std::shared_ptr<ActiveOperation> Core::begin_active(const RdmaMetadata& remote,
+                                                    std::vector<Descriptor> local,
+                                                    std::chrono::milliseconds timeout) {
+  precheck(remote);
+  auto op = std::make_shared<ActiveOperation>(shared_from_this(), next_id(), remote.operation_kind,
+                                              std::move(local));
+  return launch(
+      std::move(op), [remote](ActiveOperation& o) { o.start(remote); }, timeout);
 }
 
 std::shared_ptr<ActiveOperation> Core::begin_by_subject(OperationKind kind,
                                                         const std::string& subject,
                                                         std::vector<Descriptor> local,
                                                         std::chrono::milliseconds timeout) {
-  if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
   auto op =
       std::make_shared<ActiveOperation>(shared_from_this(), next_id(), kind, std::move(local));
   op->asking.emplace();
   op->asking->subject = subject;
-  op->set_status(OperationStatus::in_progress);
-  op->arm(timeout);
-  pairing::ask(*op);
-  return op;
+  return launch(
+      std::move(op), [](ActiveOperation& o) { pairing::ask(o); }, timeout);
 }
 
 }  // namespace ferry::detail

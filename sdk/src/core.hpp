@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -39,28 +40,18 @@ class Core : public std::enable_shared_from_this<Core> {
                                                    std::vector<Descriptor> local,
                                                    std::chrono::milliseconds timeout,
                                                    const std::string& subject);
-  /// Loop thread: starts an active operation on `remote` (checked by the caller).
+  /// Any thread: starts an active operation on `remote` (checked by the caller). Throws what
+  /// precheck() finds. On the loop thread the transfer starts inline and its set-up errors
+  /// are thrown; elsewhere the operation is handed to the loop without waiting, and what the
+  /// loop finds later (a method refused at set-up) becomes the operation's error.
   std::shared_ptr<ActiveOperation> begin_active(const RdmaMetadata& remote,
                                                 std::vector<Descriptor> local,
                                                 std::chrono::milliseconds timeout);
-  /// Loop thread: starts an active operation that first asks for the metadata at `subject`.
+  /// Any thread: starts an active operation that first asks for the metadata at `subject`;
+  /// as begin_active.
   std::shared_ptr<ActiveOperation> begin_by_subject(OperationKind kind, const std::string& subject,
                                                     std::vector<Descriptor> local,
                                                     std::chrono::milliseconds timeout);
-
-  /// Any thread, for begin_read / begin_write off the loop: starts an active operation on
-  /// `remote` without waiting for the loop. What can be known here is thrown here (closed,
-  /// AccessDenied, NoCommonMethod by the methods both sides offer: precheck()); what the loop
-  /// finds later (a method refused at set-up) becomes the operation's error.
-  std::shared_ptr<ActiveOperation> post_active(const RdmaMetadata& remote,
-                                               std::vector<Descriptor> local,
-                                               std::chrono::milliseconds timeout);
-
-  /// Any thread, for begin_read / begin_write by subject off the loop: starts asking for the
-  /// metadata without waiting for the loop (throws InvalidState when closed).
-  std::shared_ptr<ActiveOperation> post_by_subject(OperationKind kind, const std::string& subject,
-                                                   std::vector<Descriptor> local,
-                                                   std::chrono::milliseconds timeout);
 
   /// Loop thread: the transports an active operation toward `remote` may use, best first,
   /// with the peer's endpoint of each. Throws NoCommonMethod, or AccessDenied when the peer's
@@ -104,6 +95,13 @@ class Core : public std::enable_shared_from_this<Core> {
   /// The endpoints of `remote` that endpoint_allow lets us reach; throws AccessDenied when
   /// none. Any thread.
   std::vector<Endpoint> reachable(const RdmaMetadata& remote) const;
+  /// What an operation toward `remote` needs of a method, from what is fixed. Any thread.
+  transport::MethodSelector::Needs needs_of(const RdmaMetadata& remote) const;
+  /// begin_active / begin_by_subject: sets `op` in progress and runs `start` on the loop
+  /// (inline there, throwing; else posted, its errors ending the operation).
+  std::shared_ptr<ActiveOperation> launch(std::shared_ptr<ActiveOperation> op,
+                                          std::function<void(ActiveOperation&)> start,
+                                          std::chrono::milliseconds timeout);
 
   std::atomic<std::uint64_t> next_id_;
 };

@@ -2,12 +2,15 @@
 // meets afterwards.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <thread>
 
 #include <ferry/ferry.hpp>
+
+#include <uv.h>
 
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
@@ -287,6 +290,41 @@ TEST(Deadline, AWriteThatTimesOutNeverCompletesTheWritableHalfWritten) {
   o.timeout = 20ms;
   auto write = writer.begin_write({Descriptor(src.data(), kSize)}, writable.metadata(), o);
   expect_complete_means_all_bytes(writable, dst, 72);
+}
+
+// Off the loop, begin_* hands the operation to the loop without waiting. When the loop closes
+// before it runs the start (here: an embedded loop that never ran), the operation ends
+// cancelled, its waiters and callbacks told; it never stays in_progress.
+TEST(Shutdown, AStartTheClosingLoopNeverRanEndsCancelled) {
+  Connector owner(test::named("owner"));
+  auto src = test::patterned(4096, 5);
+  auto dst = test::buffer(4096);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+
+  uv_loop_t loop;
+  ASSERT_EQ(uv_loop_init(&loop), 0);
+  auto options = test::named("peer");
+  options.loop = &loop;
+  auto peer = std::make_unique<Connector>(options);
+  ReadOperation read;
+  std::thread([&] {
+    read = peer->begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  }).join();
+  EXPECT_EQ(read.status(), OperationStatus::in_progress);
+  std::atomic<int> called{0};
+  read.on_complete([&](OperationStatus s, const Error* e) {
+    EXPECT_EQ(s, OperationStatus::cancelled);
+    EXPECT_NE(e, nullptr);
+    ++called;
+  });
+  peer.reset();  // on the loop's thread, the loop not running: the start is dropped
+  EXPECT_EQ(read.status(), OperationStatus::cancelled);
+  ASSERT_TRUE(read.error());
+  EXPECT_EQ(read.error()->code(), ErrorCode::Cancelled);
+  EXPECT_NE(read.error()->message().find("closed"), std::string::npos) << read.error()->message();
+  EXPECT_EQ(called.load(), 1);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  EXPECT_EQ(uv_loop_close(&loop), 0);
 }
 
 }  // namespace
