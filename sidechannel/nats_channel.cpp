@@ -317,10 +317,35 @@ struct SubClosure {
   EventLoop::Poster poster;
   std::uint64_t id = 0;
   bool inbox = false;
+  // serve(): answered here, on the delivery thread (both fixed before the subscription).
+  NatsChannel::Answer direct;
+  std::string prefix;
 };
 
-void on_message(natsConnection*, natsSubscription*, natsMsg* msg, void* closure) {
+void on_message(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closure) {
   auto* c = static_cast<SubClosure*>(closure);
+  if (c->direct) {
+    // A request to a served subject: answered at once, from this thread. Anything else sent
+    // there (no reply subject, or one that is not a request() inbox) goes unanswered.
+    const char* reply = natsMsg_GetReply(msg);
+    if (reply != nullptr && is_reply_inbox(c->prefix, reply)) {
+      const char* data = natsMsg_GetData(msg);
+      const std::string request(data != nullptr ? data : "",
+                                static_cast<std::size_t>(natsMsg_GetDataLength(msg)));
+      std::string answer;
+      try {
+        answer = c->direct(request);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "ferry: answering a request at %s: %s\n", natsMsg_GetSubject(msg),
+                     e.what());
+      }
+      if (!answer.empty() && natsConnection_Publish(nc, reply, answer.data(),
+                                                    static_cast<int>(answer.size())) != NATS_OK)
+        std::fprintf(stderr, "ferry: NATS publish to %s failed\n", reply);
+    }
+    natsMsg_Destroy(msg);
+    return;
+  }
   Message m;
   m.subject = natsMsg_GetSubject(msg);
   if (const char* reply = natsMsg_GetReply(msg)) m.reply = reply;
@@ -531,8 +556,15 @@ std::string NatsChannel::own_subject(std::string_view suffix) const {
 
 std::int64_t NatsChannel::max_payload() const noexcept { return state_->max_payload; }
 
-std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::string& queue,
-                                     MessageHandler handler, Registered registered) {
+std::uint64_t NatsChannel::serve(const std::string& subject, Answer answer, Registered registered) {
+  // The loop's handler serves only when a drain replaces it with last words (unsubscribe).
+  return subscribe_impl(
+      subject, {}, [](const Message&) {}, std::move(registered), std::move(answer));
+}
+
+std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std::string& queue,
+                                          MessageHandler handler, Registered registered,
+                                          Answer direct) {
   const std::uint64_t id = state_->next_sub++;
   const bool inbox = !handler;  // our own "<inbox>.*", the one wildcard subscription
   if (auto why = inbox ? std::string() : subject_problem(subject); closing_ || !why.empty()) {
@@ -553,7 +585,8 @@ std::uint64_t NatsChannel::subscribe(const std::string& subject, const std::stri
                                             State::Clock::now() + state_->request_timeout});
     arm_confirm_timer();
   }
-  auto* closure = new SubClosure{state_, loop_.poster(), id, inbox};
+  auto* closure =
+      new SubClosure{state_, loop_.poster(), id, inbox, std::move(direct), state_->prefix};
   auto poster = loop_.poster();
   std::weak_ptr<State> weak = state_;
   outbox_->push([this, id, subject, queue, closure, confirm, confirm_id, poster, weak] {

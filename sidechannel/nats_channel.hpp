@@ -92,7 +92,19 @@ class NatsChannel {
   /// confirm ..."); so is a connection that cnats closes for good, and an unsubscribe() before
   /// the confirmation (then reported after the current loop callback).
   std::uint64_t subscribe(const std::string& subject, const std::string& queue,
-                          MessageHandler handler, Registered registered = {});
+                          MessageHandler handler, Registered registered = {}) {
+    return subscribe_impl(subject, queue, std::move(handler), std::move(registered), {});
+  }
+  /// Serves requests at `subject` with `answer`'s reply, which runs on a cnats delivery
+  /// thread, not the loop: a metadata request is answered without two thread hops (to the
+  /// loop, and from it to the publishing worker). `answer` must be thread-safe and quick; it
+  /// gets the request's data. Requests whose reply subject is not one of request()'s inboxes
+  /// are not answered (as respond() does). `registered` as for subscribe(). Until the server
+  /// has processed an unsubscribe() it may still route requests here, and `answer` still
+  /// answers them: it must know what to say once its subject is no longer served
+  /// (`last_words` do not apply).
+  using Answer = std::function<std::string(const std::string& request)>;
+  std::uint64_t serve(const std::string& subject, Answer answer, Registered registered = {});
   /// After it returns, the handler is not called again. With `last_words`, requests that the
   /// server still routes to the subscription until it has processed the unsubscription are
   /// answered with them.
@@ -135,6 +147,8 @@ class NatsChannel {
   struct State;
 
  private:
+  std::uint64_t subscribe_impl(const std::string& subject, const std::string& queue,
+                               MessageHandler handler, Registered registered, Answer direct);
   struct Outbox;
 
   // Confirmations' deadlines (see subscribe()).
