@@ -24,16 +24,9 @@
 // (the environment is not read). Exit status: 0; 1 when an operation does not end after
 // cancel() or one ended on its own while idle; 2 when the connector window's CPU fraction
 // exceeds --max_cpu_fraction (default 0.5 of a core); 3 for bad arguments or a failed setup.
-#include <arpa/inet.h>
 #include <dirent.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <sys/syscall.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,6 +46,8 @@
 #include <vector>
 
 #include <ferry/ferry.hpp>
+
+#include "bench/support/private_nats.hpp"
 
 namespace {
 
@@ -136,101 +131,10 @@ Options parse(int argc, char** argv) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A private nats-server (for --subject without a URL).
+// A private nats-server (for --subject without a URL): bench/support/private_nats.hpp, asked
+// to stop with SIGTERM and given 2 s before SIGKILL.
 
-bool accepts(std::uint16_t port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-  ::close(fd);
-  return ok;
-}
-
-std::uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw std::runtime_error("socket failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    throw std::runtime_error("cannot bind a free port");
-  }
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// Started in the constructor, killed and reaped in the destructor; PR_SET_PDEATHSIG kills it
-// if this process dies first. Its output goes to /dev/null.
-class NatsServer {
- public:
-  NatsServer() : port_(free_port()) {
-    const std::string port = std::to_string(port_);
-    std::vector<std::string> args{"/usr/sbin/nats-server", "-a", "127.0.0.1", "-p", port};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    pid_ = ::fork();
-    if (pid_ < 0) throw std::runtime_error("fork failed");
-    if (pid_ == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);
-      int null = ::open("/dev/null", O_RDWR);
-      if (null >= 0) {
-        ::dup2(null, 0);
-        ::dup2(null, 1);
-        ::dup2(null, 2);
-        if (null > 2) ::close(null);
-      }
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    const auto until = Clock::now() + std::chrono::seconds(10);
-    while (!accepts(port_)) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        throw std::runtime_error("nats-server exited at start (port " + port + ")");
-      }
-      if (Clock::now() > until) {
-        stop();
-        throw std::runtime_error("nats-server did not come up on port " + port);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-  }
-  ~NatsServer() { stop(); }
-  NatsServer(const NatsServer&) = delete;
-  NatsServer& operator=(const NatsServer&) = delete;
-
-  std::string url() const { return "nats://127.0.0.1:" + std::to_string(port_); }
-
- private:
-  void stop() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGTERM);
-    const auto until = Clock::now() + std::chrono::seconds(2);
-    while (::waitpid(pid_, nullptr, WNOHANG) == 0) {
-      if (Clock::now() > until) {
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, nullptr, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    pid_ = -1;
-  }
-
-  std::uint16_t port_;
-  pid_t pid_ = -1;
-};
+using ferry::bench_support::PrivateNatsServer;
 
 // ---------------------------------------------------------------------------------------------
 // Measuring
@@ -428,10 +332,12 @@ bool bounded(std::chrono::milliseconds limit, std::function<void()> work) {
 }
 
 int run(const Options& o) {
-  std::unique_ptr<NatsServer> server;
+  std::unique_ptr<PrivateNatsServer> server;
   std::string url = o.nats_url;
   if (o.subject && url.empty()) {
-    server = std::make_unique<NatsServer>();
+    PrivateNatsServer::Options server_options;
+    server_options.stop_grace = std::chrono::seconds(2);
+    server = std::make_unique<PrivateNatsServer>(server_options);
     url = server->url();
   }
   const int main_tid = gettid_now();

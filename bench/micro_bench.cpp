@@ -100,19 +100,27 @@ void descriptor_args(benchmark::internal::Benchmark* b) {
   }
 }
 
+// Whether from_json(json) gives `m` back; else skips the benchmark, saying why (`threw` comes
+// before the message of an error thrown).
+bool decodes_to(benchmark::State& state, const std::string& json, const RdmaMetadata& m,
+                const std::string& threw) {
+  try {
+    if (RdmaMetadata::from_json(json) != m) {
+      state.SkipWithError("from_json(to_json(m)) != m");
+      return false;
+    }
+  } catch (const ferry::Error& e) {
+    state.SkipWithError((threw + e.message()).c_str());
+    return false;
+  }
+  return true;
+}
+
 void BM_MetadataEncode(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
   const RdmaMetadata m = metadata_with(n);
   const std::string once = m.to_json();
-  try {
-    if (RdmaMetadata::from_json(once) != m) {
-      state.SkipWithError("from_json(to_json(m)) != m");
-      return;
-    }
-  } catch (const ferry::Error& e) {
-    state.SkipWithError(("from_json(to_json(m)) threw: " + e.message()).c_str());
-    return;
-  }
+  if (!decodes_to(state, once, m, "from_json(to_json(m)) threw: ")) return;
   for (auto _ : state) {
     std::string json = m.to_json();
     benchmark::DoNotOptimize(json.data());
@@ -128,15 +136,7 @@ void BM_MetadataDecode(benchmark::State& state) {
   const auto n = static_cast<std::size_t>(state.range(0));
   const RdmaMetadata m = metadata_with(n);
   const std::string json = m.to_json();
-  try {
-    if (RdmaMetadata::from_json(json) != m) {
-      state.SkipWithError("from_json(to_json(m)) != m");
-      return;
-    }
-  } catch (const ferry::Error& e) {
-    state.SkipWithError(("from_json threw: " + e.message()).c_str());
-    return;
-  }
+  if (!decodes_to(state, json, m, "from_json threw: ")) return;
   for (auto _ : state) {
     RdmaMetadata decoded = RdmaMetadata::from_json(json);
     benchmark::DoNotOptimize(decoded.descriptors.data());

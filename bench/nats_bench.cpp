@@ -33,15 +33,6 @@
 #include <benchmark/benchmark.h>
 #include <nats/nats.h>
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -59,6 +50,7 @@
 
 #include <ferry/ferry.hpp>
 
+#include "bench/support/private_nats.hpp"
 #include "loop/event_loop.hpp"
 #include "sidechannel/nats_channel.hpp"
 
@@ -71,99 +63,13 @@ constexpr std::size_t kBuffer = 64;    // end to end (4)
 constexpr double kMinTime = 1.0;       // seconds per benchmark
 
 // ---------------------------------------------------------------------------------------------
-// A private nats-server.
-
-bool accepts(std::uint16_t port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return false;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-  ::close(fd);
-  return ok;
-}
-
-std::uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    throw std::runtime_error("cannot bind a free port");
-  }
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// Started in the constructor, SIGKILLed and reaped in the destructor. The child's output goes
-// to /dev/null (no pipes to drain), and it is killed when the thread that started it (the main
-// thread, which runs the benchmarks) ends, even if the destructor never runs.
-class NatsServer {
- public:
-  NatsServer() : port_(free_port()) {
-    const std::string port = std::to_string(port_);
-    std::vector<std::string> args{"/usr/sbin/nats-server", "-a", "127.0.0.1", "-p", port};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    pid_ = ::fork();
-    if (pid_ < 0) throw std::runtime_error("fork failed");
-    if (pid_ == 0) {
-      // Only async-signal-safe calls between fork and exec.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);
-      int null = ::open("/dev/null", O_RDWR);
-      if (null >= 0) {
-        ::dup2(null, 0);
-        ::dup2(null, 1);
-        ::dup2(null, 2);
-        if (null > 2) ::close(null);
-      }
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-    const auto until = Clock::now() + std::chrono::seconds(10);
-    while (!accepts(port_)) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        throw std::runtime_error("nats-server exited at start (port " + port + ")");
-      }
-      if (Clock::now() > until) {
-        stop();
-        throw std::runtime_error("nats-server did not come up on port " + port);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-  }
-  ~NatsServer() { stop(); }
-  NatsServer(const NatsServer&) = delete;
-  NatsServer& operator=(const NatsServer&) = delete;
-
-  std::string url() const { return "nats://127.0.0.1:" + std::to_string(port_); }
-
- private:
-  void stop() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
-  std::uint16_t port_;
-  pid_t pid_ = -1;
-};
+// A private nats-server (bench/support/private_nats.hpp): SIGKILLed and reaped at exit, and
+// killed when the thread that started it (the main thread, which runs the benchmarks) ends,
+// even if its destructor never runs.
 
 // One server for the whole run, started by the first benchmark that needs it.
 const std::string& server_url() {
-  static NatsServer server;
+  static ferry::bench_support::PrivateNatsServer server;
   static const std::string url = server.url();
   return url;
 }

@@ -1,11 +1,6 @@
 #include "bench/ferry_bench/processes.hpp"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -51,71 +46,21 @@ extern "C" void on_fatal_signal(int sig) {
   ::raise(sig);
 }
 
-// Forks and execs `argv`; the child gets SIGKILL when this process dies. With `quiet`, its
-// stdin, stdout and stderr are /dev/null; else it shares this process's stdout and stderr.
+// bench_support::spawn, the child remembered for the signal handler.
 pid_t spawn(const std::vector<std::string>& args, bool quiet) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
-  if (pid == 0) {
-    // Only async-signal-safe calls between fork and exec.
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
-    ::signal(SIGPIPE, SIG_DFL);
-    int null = ::open("/dev/null", O_RDWR);
-    if (null >= 0) {
-      ::dup2(null, 0);
-      if (quiet) {
-        ::dup2(null, 1);
-        ::dup2(null, 2);
-      }
-      if (null > 2) ::close(null);
-    }
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
+  const pid_t pid = bench_support::spawn(args, quiet);
   remember(pid);
   return pid;
 }
 
-std::string describe(int status) {
-  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) {
-    const int sig = WTERMSIG(status);
-    return "killed by signal " + std::to_string(sig) + " (" + ::strsignal(sig) + ")";
-  }
-  return "ended (status " + std::to_string(status) + ")";
-}
+using bench_support::describe;
 
-bool accepts(std::uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-  ::close(fd);
-  return ok;
-}
-
-std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw std::runtime_error("socket failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    throw std::runtime_error("cannot bind a free port");
-  }
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+// Keeps the server among the children the signal handler kills.
+bench_support::PrivateNatsServer::Options killed_on_signal() {
+  bench_support::PrivateNatsServer::Options options;
+  options.on_start = remember;
+  options.on_stop = forget;
+  return options;
 }
 
 }  // namespace
@@ -162,34 +107,7 @@ int run_command(const std::vector<std::string>& argv, std::chrono::seconds limit
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-NatsServerProcess::NatsServerProcess() : port_(free_port()) {
-  const std::string port = std::to_string(port_);
-  pid_ = spawn({"/usr/sbin/nats-server", "-a", "127.0.0.1", "-p", port}, true);
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!accepts(port_)) {
-    int status = 0;
-    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-      forget(pid_);
-      pid_ = -1;
-      throw std::runtime_error("nats-server " + describe(status) + " at start (port " + port +
-                               "; is /usr/sbin/nats-server installed?)");
-    }
-    if (std::chrono::steady_clock::now() > until) {
-      throw std::runtime_error("nats-server did not come up on 127.0.0.1:" + port + " in 10 s");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-}
-
-NatsServerProcess::~NatsServerProcess() {
-  if (pid_ <= 0) return;
-  forget(pid_);
-  ::kill(pid_, SIGKILL);
-  while (::waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
-  }
-}
-
-std::string NatsServerProcess::url() const { return "nats://127.0.0.1:" + std::to_string(port_); }
+NatsServerProcess::NatsServerProcess() : PrivateNatsServer(killed_on_signal()) {}
 
 ChildProcess::ChildProcess(const std::vector<std::string>& argv,
                            std::function<void(const std::string&)> on_unexpected_exit)

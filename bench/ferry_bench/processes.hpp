@@ -16,7 +16,11 @@
 #include <thread>
 #include <vector>
 
+#include "bench/support/private_nats.hpp"
+
 namespace ferry_bench {
+
+namespace bench_support = ferry::bench_support;
 
 /// Installs the handler that kills every child started here on SIGINT, SIGTERM and SIGHUP
 /// and then dies of the same signal. Ignores SIGPIPE.
@@ -29,20 +33,12 @@ std::string self_path();
 /// that. Returns its exit status, or -1 when it did not exit normally.
 int run_command(const std::vector<std::string>& argv, std::chrono::seconds limit);
 
-/// A private nats-server on a free 127.0.0.1 port; SIGKILLed and reaped by the destructor.
-class NatsServerProcess {
+/// A private nats-server on a free 127.0.0.1 port (bench/support/private_nats.hpp), killed
+/// by the signal handler too; SIGKILLed and reaped by the destructor.
+class NatsServerProcess : public bench_support::PrivateNatsServer {
  public:
   /// Throws std::runtime_error when it does not accept connections within 10 s.
   NatsServerProcess();
-  ~NatsServerProcess();
-  NatsServerProcess(const NatsServerProcess&) = delete;
-  NatsServerProcess& operator=(const NatsServerProcess&) = delete;
-
-  std::string url() const;
-
- private:
-  std::uint16_t port_ = 0;
-  pid_t pid_ = -1;
 };
 
 /// A child process watched by a thread: when it exits before stop() asked it to,

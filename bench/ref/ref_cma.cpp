@@ -77,35 +77,24 @@ int run(const Options& opts) {
 
   for (std::uint64_t i = 0; i < warmup; ++i) move_once();
   short_calls = 0;
-  std::vector<double> us;
-  us.reserve(iters);
-  const auto start = Clock::now();
-  for (std::uint64_t i = 0; i < iters; ++i) {
-    const auto t0 = Clock::now();
-    move_once();
-    us.push_back(to_us(Clock::now() - t0));
-  }
-  const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
+  const Timed timed = time_iterations(iters, move_once);
+  const double total_s = timed.seconds;
 
   ::close(to_child[1]);
   const int child_rc = child.wait(5);
   if (child_rc != 0) throw std::runtime_error("the child failed");
 
-  const Percentiles p = percentiles(us);
+  const Percentiles p = percentiles(timed.us);
   const double bytes = static_cast<double>(size);
   JsonObject out;
-  out.add("tool", "ferry-ref-cma")
-      .add("op", op)
-      .add("size", static_cast<std::uint64_t>(size))
-      .add("iters", iters)
-      .add("warmup", warmup)
-      .add("seconds", total_s)
+  out.add("tool", "ferry-ref-cma").add("op", op).add("size", static_cast<std::uint64_t>(size));
+  add_run(out, iters, warmup, total_s)
       .add("bandwidth_gbps", bytes / (p.p50_us * 1e-6) / 1e9)  // median iteration
       .add("bandwidth_gibps", bytes / (p.p50_us * 1e-6) / static_cast<double>(1ull << 30))
       .add("bandwidth_gbps_overall", bytes * static_cast<double>(iters) / total_s / 1e9)
       .add("", p)
       .add("short_calls", short_calls)
-      .add("iteration_us", us);
+      .add("iteration_us", timed.us);
   out.print();
   return 0;
 }
@@ -113,15 +102,7 @@ int run(const Options& opts) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    const Options opts(argc, argv,
-                       {{"op", "read"}, {"size", "16M"}, {"iters", "20"}, {"warmup", "2"}});
-    return run(opts);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr,
-                 "ferry-ref-cma: %s\nusage: ferry-ref-cma --op read|write --size N[K|M|G] "
-                 "--iters N [--warmup N]\n",
-                 e.what());
-    return 2;
-  }
+  return main_of(argc, argv, "ferry-ref-cma",
+                 "--op read|write --size N[K|M|G] --iters N [--warmup N]",
+                 {{"op", "read"}, {"size", "16M"}, {"iters", "20"}, {"warmup", "2"}}, run);
 }

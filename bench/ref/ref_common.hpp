@@ -1,6 +1,6 @@
-// What the reference programs of bench/compare share: option parsing with K/M/G sizes,
-// percentiles of per-iteration times, a forked child that dies with its parent, and a JSON
-// object printed on stdout.
+// What the reference programs of bench/compare share: option parsing with K/M/G sizes, their
+// main(), timed iterations and their percentiles, a forked child that dies with its parent,
+// and a JSON object printed on stdout.
 #pragma once
 
 #include <signal.h>
@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace ferry::ref {
@@ -66,6 +67,41 @@ class Options {
  private:
   std::map<std::string, std::string> values_;
 };
+
+// A program's main(): parses the options (`defaults` names every one) and calls `run`; on a
+// bad option or any exception prints "TOOL: WHAT" and "usage: TOOL USAGE" on stderr and
+// returns 2.
+template <typename Run>
+int main_of(int argc, char** argv, const char* tool, const char* usage,
+            std::map<std::string, std::string> defaults, Run run) {
+  try {
+    const Options opts(argc, argv, std::move(defaults));
+    return run(opts);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\nusage: %s %s\n", tool, e.what(), tool, usage);
+    return 2;
+  }
+}
+
+// Per-iteration times of `iters` calls of `once`, and the seconds they took together.
+struct Timed {
+  std::vector<double> us;
+  double seconds = 0;
+};
+
+template <typename Once>
+Timed time_iterations(std::uint64_t iters, Once once) {
+  Timed t;
+  t.us.reserve(iters);
+  const auto start = Clock::now();
+  for (std::uint64_t i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    once();
+    t.us.push_back(to_us(Clock::now() - t0));
+  }
+  t.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return t;
+}
 
 struct Percentiles {
   double min_us = 0, p50_us = 0, p99_us = 0, max_us = 0, mean_us = 0;
@@ -137,6 +173,20 @@ class JsonObject {
   }
   std::string body_;
 };
+
+// "iters", "warmup" and "seconds" of a timed run.
+inline JsonObject& add_run(JsonObject& out, std::uint64_t iters, std::uint64_t warmup,
+                           double seconds) {
+  return out.add("iters", iters).add("warmup", warmup).add("seconds", seconds);
+}
+
+// add_run, then "round_trips_per_s" and the percentiles of timed round trips.
+inline JsonObject& add_round_trips(JsonObject& out, std::uint64_t iters, std::uint64_t warmup,
+                                   Timed timed) {
+  return add_run(out, iters, warmup, timed.seconds)
+      .add("round_trips_per_s", static_cast<double>(iters) / timed.seconds)
+      .add("", percentiles(std::move(timed.us)));
+}
 
 // Forks a child that runs `body` and exits with its return value. The child is SIGKILLed when
 // the parent dies; the destructor kills and reaps it if wait() was not called.

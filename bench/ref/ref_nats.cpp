@@ -86,28 +86,15 @@ int run(const Options& opts) {
     check(s, "request");
   };
   for (std::uint64_t i = 0; i < warmup; ++i) request();
-  std::vector<double> us;
-  us.reserve(iters);
-  const auto start = Clock::now();
-  for (std::uint64_t i = 0; i < iters; ++i) {
-    const auto t0 = Clock::now();
-    request();
-    us.push_back(to_us(Clock::now() - t0));
-  }
-  const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
+  Timed timed = time_iterations(iters, request);
   natsConnection_Destroy(nc);
   nats_Close();
   ::close(stop[1]);
   if (child.wait(10) != 0) throw std::runtime_error("the responder failed");
 
   JsonObject out;
-  out.add("tool", "ferry-ref-nats")
-      .add("size", static_cast<std::uint64_t>(size))
-      .add("iters", iters)
-      .add("warmup", warmup)
-      .add("seconds", total_s)
-      .add("round_trips_per_s", static_cast<double>(iters) / total_s)
-      .add("", percentiles(std::move(us)));
+  out.add("tool", "ferry-ref-nats").add("size", static_cast<std::uint64_t>(size));
+  add_round_trips(out, iters, warmup, std::move(timed));
   out.print();
   return 0;
 }
@@ -115,15 +102,6 @@ int run(const Options& opts) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    const Options opts(argc, argv,
-                       {{"url", ""}, {"size", "512"}, {"iters", "5000"}, {"warmup", "200"}});
-    return run(opts);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr,
-                 "ferry-ref-nats: %s\nusage: ferry-ref-nats --url URL --size N --iters N "
-                 "[--warmup N]\n",
-                 e.what());
-    return 2;
-  }
+  return main_of(argc, argv, "ferry-ref-nats", "--url URL --size N --iters N [--warmup N]",
+                 {{"url", ""}, {"size", "512"}, {"iters", "5000"}, {"warmup", "200"}}, run);
 }

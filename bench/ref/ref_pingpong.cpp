@@ -69,27 +69,15 @@ int run(const Options& opts) {
       throw std::runtime_error("the connection broke");
   };
   for (std::uint64_t i = 0; i < warmup; ++i) round_trip();
-  std::vector<double> us;
-  us.reserve(iters);
-  const auto start = Clock::now();
-  for (std::uint64_t i = 0; i < iters; ++i) {
-    const auto t0 = Clock::now();
-    round_trip();
-    us.push_back(to_us(Clock::now() - t0));
-  }
-  const double total_s = std::chrono::duration<double>(Clock::now() - start).count();
+  Timed timed = time_iterations(iters, round_trip);
   ::close(fd);
   if (child.wait(5) != 0) throw std::runtime_error("the child failed");
 
   JsonObject out_json;
   out_json.add("tool", "ferry-ref-pingpong")
       .add("size", static_cast<std::uint64_t>(size))
-      .add("reply", static_cast<std::uint64_t>(reply))
-      .add("iters", iters)
-      .add("warmup", warmup)
-      .add("seconds", total_s)
-      .add("round_trips_per_s", static_cast<double>(iters) / total_s)
-      .add("", percentiles(std::move(us)));
+      .add("reply", static_cast<std::uint64_t>(reply));
+  add_round_trips(out_json, iters, warmup, std::move(timed));
   out_json.print();
   return 0;
 }
@@ -97,15 +85,6 @@ int run(const Options& opts) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    const Options opts(argc, argv,
-                       {{"size", "4096"}, {"reply", "64"}, {"iters", "10000"}, {"warmup", "1000"}});
-    return run(opts);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr,
-                 "ferry-ref-pingpong: %s\nusage: ferry-ref-pingpong --size N --reply N --iters N "
-                 "[--warmup N]\n",
-                 e.what());
-    return 2;
-  }
+  return main_of(argc, argv, "ferry-ref-pingpong", "--size N --reply N --iters N [--warmup N]",
+                 {{"size", "4096"}, {"reply", "64"}, {"iters", "10000"}, {"warmup", "1000"}}, run);
 }
