@@ -32,7 +32,8 @@ bool from_hex(std::string_view hex, std::span<std::uint8_t> out) noexcept;
 /// is not part of a valid sequence (or is NUL) becomes U+FFFD. For text that came from a
 /// peer and goes into JSON or messages.
 std::string sanitized_utf8(std::string_view text);
-/// Whether `text` is valid UTF-8 (no overlongs, no surrogates, nothing above U+10FFFF).
+/// Whether `text` is valid UTF-8 without NUL (no overlongs, no surrogates, nothing above
+/// U+10FFFF): what sanitized_utf8() leaves unchanged.
 bool valid_utf8(std::string_view text) noexcept;
 
 }  // namespace ferry::loop

@@ -121,42 +121,6 @@ void RdmaMetadata::validate() const {
 
 namespace {
 
-// Whether `s` is valid UTF-8 (RFC 3629: no overlong forms, no surrogates, nothing above
-// U+10FFFF), which the fast writer copies (escaping only what JSON needs escaped); anything
-// else goes to the general writer, which replaces it.
-bool plain(std::string_view s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const auto* end = p + s.size();
-  while (p < end) {
-    const unsigned char c = *p;
-    if (c < 0x80) {
-      ++p;
-      continue;
-    }
-    int more = 0;
-    unsigned char lo = 0x80, hi = 0xbf;  // the range of the second byte
-    if (c >= 0xc2 && c <= 0xdf) {
-      more = 1;
-    } else if (c >= 0xe0 && c <= 0xef) {
-      more = 2;
-      if (c == 0xe0) lo = 0xa0;
-      if (c == 0xed) hi = 0x9f;
-    } else if (c >= 0xf0 && c <= 0xf4) {
-      more = 3;
-      if (c == 0xf0) lo = 0x90;
-      if (c == 0xf4) hi = 0x8f;
-    } else {
-      return false;
-    }
-    if (end - p <= more) return false;
-    if (p[1] < lo || p[1] > hi) return false;
-    for (int i = 2; i <= more; ++i)
-      if (p[i] < 0x80 || p[i] > 0xbf) return false;
-    p += more + 1;
-  }
-  return true;
-}
-
 template <class Int>
 void put_number(std::string& out, Int value) {
   char buf[24];
@@ -215,13 +179,15 @@ std::string RdmaMetadata::to_json() const {
   // (docs/PERFORMANCE.md). Otherwise the general path replaces what is not valid UTF-8.
   std::vector<std::string> devices;
   devices.reserve(descriptors.size());
-  bool fast = plain(notification_key) && plain(owner.name) && plain(owner.id) &&
-              plain(owner.host) && plain(token);
+  // Valid UTF-8 without NUL (loop::valid_utf8) is copied, escaping what JSON needs escaped.
+  using loop::valid_utf8;
+  bool fast = valid_utf8(notification_key) && valid_utf8(owner.name) && valid_utf8(owner.id) &&
+              valid_utf8(owner.host) && valid_utf8(token);
   for (const auto& e : endpoints)
-    fast = fast && plain(e.method) && plain(e.address) && plain(e.info);
+    fast = fast && valid_utf8(e.method) && valid_utf8(e.address) && valid_utf8(e.info);
   for (const auto& d : descriptors) {
     devices.push_back(d.device.to_string());
-    fast = fast && plain(devices.back());
+    fast = fast && valid_utf8(devices.back());
   }
   if (fast) {
     std::string out;
@@ -445,12 +411,12 @@ class CanonicalReader {
 }  // namespace
 
 RdmaMetadata RdmaMetadata::from_json(std::string_view text) {
-  if (text.size() > kMaxJsonBytes)
-    invalid("", "document of " + std::to_string(text.size()) + " bytes exceeds the limit of " +
-                    std::to_string(kMaxJsonBytes));
-  if (std::optional<RdmaMetadata> m = CanonicalReader(text).read()) {
-    m->validate();
-    return std::move(*m);
+  // A document over the limit goes to the general reader, which refuses it.
+  if (text.size() <= kMaxJsonBytes) {
+    if (std::optional<RdmaMetadata> m = CanonicalReader(text).read()) {
+      m->validate();
+      return std::move(*m);
+    }
   }
   return detail::metadata_from_json_general(text);
 }

@@ -63,7 +63,10 @@ void CmaTransport::Job::run() noexcept {
   state->cv.notify_all();
 }
 
-std::optional<Error> CmaTransport::endpoint_error(const Endpoint& endpoint) const {
+namespace {
+
+// The owner's info of a cma endpoint in `out`, or why start() refuses the endpoint.
+std::optional<Error> parse_endpoint(const Endpoint& endpoint, OwnerInfo& out) {
   sockaddr_un addr{};
   socklen_t len = 0;
   if (!socket_address(endpoint.address, addr, len))
@@ -71,17 +74,24 @@ std::optional<Error> CmaTransport::endpoint_error(const Endpoint& endpoint) cons
                  "cma endpoint '" + endpoint.address + "' is not an abstract socket name",
                  "endpoints");
   try {
-    parse_info(endpoint.info);
+    out = parse_info(endpoint.info);
   } catch (const Error& e) {
     return e;
   }
   return std::nullopt;
 }
 
+}  // namespace
+
+std::optional<Error> CmaTransport::endpoint_error(const Endpoint& endpoint) const {
+  OwnerInfo info;
+  return parse_endpoint(endpoint, info);
+}
+
 std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  if (auto e = endpoint_error(spec.endpoint)) throw *e;
-  const OwnerInfo info = parse_info(spec.endpoint.info);
+  OwnerInfo info;
+  if (auto e = parse_endpoint(spec.endpoint, info)) throw *e;
   auto t = std::make_unique<CmaTransfer>(*this, next_transfer_++, std::move(spec), observer);
   transfers_[t->id] = t.get();
   std::string error;

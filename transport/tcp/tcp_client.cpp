@@ -17,18 +17,26 @@ namespace ferry::transport::tcp {
 // ---------------------------------------------------------------------------------------
 // Client side: active transfers
 
-std::optional<Error> TcpTransport::endpoint_error(const Endpoint& endpoint) const {
-  SocketAddress addr;
-  if (SocketAddress::parse(endpoint.address, addr)) return std::nullopt;
+namespace {
+
+// The address of a tcp endpoint in `out`, or why start() refuses it.
+std::optional<Error> parse_endpoint(const Endpoint& endpoint, SocketAddress& out) {
+  if (SocketAddress::parse(endpoint.address, out)) return std::nullopt;
   return Error(ErrorCode::InvalidMetadata,
                "tcp endpoint '" + endpoint.address + "' is not a numeric ip:port", "endpoints");
 }
 
+}  // namespace
+
+std::optional<Error> TcpTransport::endpoint_error(const Endpoint& endpoint) const {
+  SocketAddress addr;
+  return parse_endpoint(endpoint, addr);
+}
+
 std::unique_ptr<Transfer> TcpTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  if (auto e = endpoint_error(spec.endpoint)) throw *e;
   SocketAddress addr;
-  SocketAddress::parse(spec.endpoint.address, addr);
+  if (auto e = parse_endpoint(spec.endpoint, addr)) throw *e;
   auto t = std::make_unique<TcpTransfer>(*this, next_transfer_++, std::move(spec), observer);
   transfers_[t->id] = t.get();
   std::string error;

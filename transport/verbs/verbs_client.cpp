@@ -36,9 +36,8 @@ ErrorCode code_of(ibv_wc_status status) {
 
 std::unique_ptr<Transfer> VerbsTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  if (auto e = endpoint_error(spec.endpoint)) throw *e;
   tcp::SocketAddress dst;
-  tcp::SocketAddress::parse(spec.endpoint.address, dst);
+  if (auto e = parse_endpoint(spec.endpoint, dst)) throw *e;
   auto t = std::make_unique<VerbsTransfer>(*this, next_transfer_++, std::move(spec), observer);
   for (const Segment& s : t->spec.segments)
     t->regs.push_back(s.len == 0 ? nullptr : registrations_.acquire({s.local, s.len}));

@@ -100,12 +100,17 @@ std::vector<Endpoint> VerbsTransport::endpoints() const {
   return {Endpoint{caps_.method, address_, {}}};
 }
 
-std::optional<Error> VerbsTransport::endpoint_error(const Endpoint& endpoint) const {
-  tcp::SocketAddress a;
-  if (tcp::SocketAddress::parse(endpoint.address, a)) return std::nullopt;
+std::optional<Error> VerbsTransport::parse_endpoint(const Endpoint& endpoint,
+                                                    tcp::SocketAddress& out) {
+  if (tcp::SocketAddress::parse(endpoint.address, out)) return std::nullopt;
   return Error(ErrorCode::InvalidMetadata,
                "verbs endpoint address '" + endpoint.address + "' is not a numeric ip:port",
                "endpoints");
+}
+
+std::optional<Error> VerbsTransport::endpoint_error(const Endpoint& endpoint) const {
+  tcp::SocketAddress a;
+  return parse_endpoint(endpoint, a);
 }
 
 std::string VerbsTransport::unreachable(const Endpoint& endpoint) const {

@@ -124,6 +124,9 @@ class VerbsTransport final : public Transport {
   /// throws Error naming the device's refusal.
   std::shared_ptr<MrSet> register_everywhere(const Region& region, int access);
 
+  /// The address of a verbs endpoint in `out`, or why start() refuses it.
+  static std::optional<Error> parse_endpoint(const Endpoint& endpoint, tcp::SocketAddress& out);
+
   // Connections (verbs_transport.cpp).
   static void on_cm(uv_poll_t* handle, int status, int events);
   void cm_ready();
