@@ -16,7 +16,7 @@ void ActiveOperation::start(const RdmaMetadata& m) {
   m.validate();
   remote = m;
   check_remote(m, kind, local);
-  candidates_ = core->choose(m);
+  candidates_ = core->choose(m, memory_kinds_of(local));
   next_candidate_ = 0;
   if (!try_next()) throw Error(ErrorCode::NoCommonMethod, no_method_text());
 }

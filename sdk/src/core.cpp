@@ -14,6 +14,9 @@
 #include "sdk/src/subject_pairing.hpp"
 #include "sdk/src/transport_registry.hpp"
 #include "transport/exposure_table.hpp"
+#ifdef FERRY_WITH_CUDA
+#include "transport/cuda/cuda_memory.hpp"
+#endif
 
 namespace ferry::detail {
 
@@ -34,7 +37,27 @@ std::uint64_t total_of(const std::vector<Descriptor>& local) {
   return total;
 }
 
+// Throws why descriptor `i` cannot be used as the CUDA memory it says it is.
+void check_cuda(const Descriptor& d, std::size_t i) {
+  const std::string what = "descriptor " + std::to_string(i) + " (" + d.device().to_string() + ")";
+#ifdef FERRY_WITH_CUDA
+  if (auto e = transport::cuda::check_device_range(d.ptr(), d.size(), d.device().id()))
+    throw Error(e->code(), what + ": " + e->message());
+#else
+  throw Error(ErrorCode::Unsupported,
+              what + ": this ferry was built without CUDA (FERRY_WITH_CUDA=OFF, or no cuda.h)");
+#endif
+}
+
 }  // namespace
+
+std::uint8_t memory_kinds_of(const std::vector<Descriptor>& local) {
+  std::uint8_t kinds = 0;
+  for (const Descriptor& d : local)
+    kinds |= transport::bit(d.device().kind() == DeviceKind::cuda ? transport::MemoryKind::cuda
+                                                                  : transport::MemoryKind::host);
+  return kinds;
+}
 
 void check_local(const std::vector<Descriptor>& local) {
   if (local.empty()) throw Error(ErrorCode::InvalidArgument, "the descriptor list is empty");
@@ -44,10 +67,7 @@ void check_local(const std::vector<Descriptor>& local) {
                                                 std::to_string(RdmaMetadata::kMaxDescriptors));
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < local.size(); ++i) {
-    if (local[i].device().kind() != DeviceKind::host)
-      throw Error(ErrorCode::Unsupported, "descriptor " + std::to_string(i) + " is on " +
-                                              local[i].device().to_string() +
-                                              "; this build moves host memory only");
+    if (local[i].device().kind() == DeviceKind::cuda) check_cuda(local[i], i);
     if (local[i].size() > std::numeric_limits<std::uint64_t>::max() - total)
       throw Error(ErrorCode::InvalidArgument, "the descriptors' total size overflows");
     total += local[i].size();
@@ -211,17 +231,26 @@ std::vector<Endpoint> Core::reachable(const RdmaMetadata& remote) const {
   return out;
 }
 
-transport::MethodSelector::Needs Core::needs_of(const RdmaMetadata& remote) const {
+transport::MethodSelector::Needs Core::needs_of(const RdmaMetadata& remote,
+                                                std::uint8_t local_kinds) const {
   transport::MethodSelector::Needs needs;
+  // A method must move the memory of both sides (the peer offers only methods that move its
+  // own, and a method that cannot move ours would refuse at set-up).
+  needs.memory_kinds = local_kinds;
+  for (const RemoteDescriptor& d : remote.descriptors)
+    needs.memory_kinds |=
+        transport::bit(d.device.kind() == DeviceKind::cuda ? transport::MemoryKind::cuda
+                                                           : transport::MemoryKind::host);
   needs.peer = remote.owner.id;
   needs.peer_name = remote.owner.name;
   needs.same_host = remote.owner.host == identity.host;
   return needs;
 }
 
-std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaMetadata& remote) {
+std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaMetadata& remote,
+                                                                     std::uint8_t local_kinds) {
   const std::vector<Endpoint> endpoints_allowed = reachable(remote);
-  transport::MethodSelector::Needs needs = needs_of(remote);
+  transport::MethodSelector::Needs needs = needs_of(remote, local_kinds);
   for (const auto& t : transports) {
     const std::string& method = t->capabilities().method;
     for (const Endpoint& e : endpoints_allowed)
@@ -236,9 +265,9 @@ std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaM
   return out;
 }
 
-void Core::precheck(const RdmaMetadata& remote) const {
+void Core::precheck(const RdmaMetadata& remote, std::uint8_t local_kinds) const {
   const std::vector<Endpoint> endpoints_allowed = reachable(remote);
-  const transport::MethodSelector::Needs needs = needs_of(remote);
+  const transport::MethodSelector::Needs needs = needs_of(remote, local_kinds);
   // A selector that remembers no failures: only what is fixed decides. Endpoints that a
   // usable method could not even parse make the metadata invalid.
   for (const auto& c : transport::MethodSelector().choose(capabilities, endpoints_allowed, needs))
@@ -328,7 +357,7 @@ std::shared_ptr<ActiveOperation> Core::launch(std::shared_ptr<ActiveOperation> o
 std::shared_ptr<ActiveOperation> Core::begin_active(const RdmaMetadata& remote,
                                                     std::vector<Descriptor> local,
                                                     std::chrono::milliseconds timeout) {
-  precheck(remote);
+  precheck(remote, memory_kinds_of(local));
   auto op = std::make_shared<ActiveOperation>(shared_from_this(), next_id(), remote.operation_kind,
                                               std::move(local));
   return launch(
@@ -355,7 +384,7 @@ std::vector<MethodInfo> probe_methods(const ConnectorOptions& options) {
   const std::vector<std::string> wanted = detail::resolve_transports(options);
   std::vector<MethodInfo> out;
   for (const detail::TransportFactory& f : detail::transport_factories()) {
-    MethodInfo info{f.method, f.rank, false, {}};
+    MethodInfo info{f.method, f.rank, false, {}, f.moves_cuda};
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.method) == wanted.end()) {
       info.detail = detail::kLeftOut;
     } else {

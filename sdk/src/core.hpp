@@ -56,11 +56,12 @@ class Core : public std::enable_shared_from_this<Core> {
   /// Loop thread: the transports an active operation toward `remote` may use, best first,
   /// with the peer's endpoint of each. Throws NoCommonMethod, or AccessDenied when the peer's
   /// endpoints lie outside endpoint_allow.
-  std::vector<std::pair<transport::Transport*, Endpoint>> choose(const RdmaMetadata& remote);
+  std::vector<std::pair<transport::Transport*, Endpoint>> choose(const RdmaMetadata& remote,
+                                                                 std::uint8_t local_kinds);
   /// Any thread: throws what choose() would from what is fixed (the methods both sides offer,
   /// locality, endpoint_allow), leaving out what changes (failures remembered per peer, a
   /// transport's own view of reachability).
-  void precheck(const RdmaMetadata& remote) const;
+  void precheck(const RdmaMetadata& remote, std::uint8_t local_kinds) const;
 
   std::chrono::milliseconds effective_timeout(const OperationOptions& options) const;
   /// Any thread.
@@ -96,7 +97,8 @@ class Core : public std::enable_shared_from_this<Core> {
   /// none. Any thread.
   std::vector<Endpoint> reachable(const RdmaMetadata& remote) const;
   /// What an operation toward `remote` needs of a method, from what is fixed. Any thread.
-  transport::MethodSelector::Needs needs_of(const RdmaMetadata& remote) const;
+  transport::MethodSelector::Needs needs_of(const RdmaMetadata& remote,
+                                            std::uint8_t local_kinds) const;
   /// begin_active / begin_by_subject: sets `op` in progress and runs `start` on the loop
   /// (inline there, throwing; else posted, its errors ending the operation).
   std::shared_ptr<ActiveOperation> launch(std::shared_ptr<ActiveOperation> op,
@@ -113,6 +115,8 @@ void check_remote(const RdmaMetadata& remote, OperationKind wanted,
 /// Throws InvalidArgument for an empty or too long list or an overflowing total, Unsupported
 /// for memory this build cannot move.
 void check_local(const std::vector<Descriptor>& local);
+/// The memory kinds of `local`, as a set of transport::bit(MemoryKind).
+std::uint8_t memory_kinds_of(const std::vector<Descriptor>& local);
 
 /// `m` with consecutive descriptors that are contiguous in memory merged (the byte stream is
 /// unchanged); for metadata that must fit into one NATS message.

@@ -1,5 +1,7 @@
 #include "sdk/src/passive_operation.hpp"
 
+#include <algorithm>
+
 #include "loop/ids.hpp"
 #include "sdk/src/core.hpp"
 #include "sdk/src/subject_pairing.hpp"
@@ -24,10 +26,28 @@ void PassiveOperation::expose(const transport::Token& token) {
   m.token = transport::token_to_hex(token);
   for (const Descriptor& d : local) {
     m.descriptors.push_back({reinterpret_cast<std::uint64_t>(d.ptr()), d.size(), d.device()});
-    exposure.regions.push_back({d.bytes(), d.size(), transport::MemoryKind::host});
+    exposure.regions.push_back({d.bytes(), d.size(),
+                                d.device().kind() == DeviceKind::cuda
+                                    ? transport::MemoryKind::cuda
+                                    : transport::MemoryKind::host});
   }
+  // Offered only by the methods that move every kind of this memory.
+  const std::uint8_t kinds = memory_kinds_of(local);
+  auto moves = [kinds](const transport::Transport& t) {
+    return (t.capabilities().memory_kinds & kinds) == kinds;
+  };
   try {
+    if (std::none_of(core->transports.begin(), core->transports.end(),
+                     [&](const auto& t) { return moves(*t); })) {
+      std::string methods;
+      for (const auto& t : core->transports)
+        methods += (methods.empty() ? "" : ", ") + t->capabilities().method;
+      throw Error(ErrorCode::Unsupported,
+                  "no method of this connector moves CUDA memory (it has [" + methods +
+                      "], which move host memory only)");
+    }
     for (const auto& t : core->transports) {
+      if (!moves(*t)) continue;
       for (const transport::Region& r : exposure.regions)
         registrations_.push_back(t->register_memory(r));
       std::string info = t->expose(exposure, *this);

@@ -43,6 +43,8 @@ struct TransportFactory {
   std::function<std::string(const ConnectorOptions& options)> unavailable{};
   /// What the method needs of a peer, shown when it is available.
   std::string needs{};
+  /// Whether its transport moves CUDA memory (Capabilities::memory_kinds) where CUDA is usable.
+  bool moves_cuda = false;
 };
 
 /// The methods this library has, then those added by add_transport_factory, in that order.

@@ -108,11 +108,6 @@ TEST_F(PairingTest, EmptyListsAreRefused) {
                "empty");
 }
 
-TEST_F(PairingTest, DeviceMemoryIsUnsupportedInThisBuild) {
-  expect_error([&] { (void)owner_.create_readable({Descriptor(a_.data(), 16, Device::cuda(0))}); },
-               ErrorCode::Unsupported, "cuda:0");
-}
-
 TEST_F(PairingTest, MetadataIsValidatedAtBegin) {
   auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
   RdmaMetadata m = readable.metadata();

@@ -1,6 +1,7 @@
 // ferry-info run as a user runs it: its text, its JSON, its exit status.
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -15,6 +16,13 @@
 
 namespace ferry::test {
 namespace {
+
+// ferry-info runs as a child of this test and inherits this: a CUDA driver that is missing on
+// every host, so that what it says of CUDA memory is known (tests/cuda/ covers a driver).
+const bool kNoCudaDriver = [] {
+  ::setenv("FERRY_CUDA_DRIVER", "/nonexistent/ferry-test/libcuda.so.1", 1);
+  return true;
+}();
 
 using nlohmann::json;
 
@@ -48,8 +56,17 @@ TEST(FerryInfo, PlainOutputNamesTcpAvailable) {
                                 std::regex("\n  verbs +300  not built into this version of ferry")))
       << run.out;
 #endif
+  ASSERT_TRUE(kNoCudaDriver);
+#ifdef FERRY_WITH_CUDA
+  // The driver this process names (below) is missing: ferry-info says so, and why.
+  EXPECT_TRUE(std::regex_search(
+      run.out, std::regex("\n  cuda +no CUDA driver: /nonexistent/ferry-test/libcuda.so.1 cannot "
+                          "be loaded \\(")))
+      << run.out;
+#else
   EXPECT_TRUE(std::regex_search(run.out, std::regex("\n  cuda +not built into this version")))
       << run.out;
+#endif
 }
 
 TEST(FerryInfo, TransportsOptionLeavesTheOthersOut) {

@@ -40,6 +40,9 @@
 #ifdef FERRY_INFO_WITH_VERBS
 #include "transport/verbs/verbs_devices.hpp"
 #endif
+#ifdef FERRY_INFO_WITH_CUDA
+#include "transport/cuda/cuda_memory.hpp"
+#endif
 
 namespace {
 
@@ -208,12 +211,14 @@ std::vector<ferry::MethodInfo> probe(const Args& args, json& restricted) {
 json method_list(const Args& args, json& restricted) {
   json methods = json::array();
   for (const ferry::MethodInfo& info : probe(args, restricted))
-    methods.push_back({{"method", info.method},
-                       {"rank", info.rank},
-                       {"built", true},
-                       {"available", info.available},
-                       {"status", method_status(info, restricted)},
-                       {"detail", info.detail}});
+    methods.push_back(
+        {{"method", info.method},
+         {"rank", info.rank},
+         {"built", true},
+         {"available", info.available},
+         {"status", method_status(info, restricted)},
+         {"detail", info.detail},
+         {"memory", info.moves_cuda ? json::array({"host", "cuda"}) : json::array({"host"})}});
   for (const LaterMethod& later : later_methods()) {
     auto built = [&](const json& m) { return m["method"] == later.method; };
     if (std::none_of(methods.begin(), methods.end(), built))
@@ -241,6 +246,43 @@ std::string selection_rule(const json& restricted) {
          join(restricted["methods"].get<std::vector<std::string>>()) + ".";
 }
 
+/// CUDA memory: the driver ferry loads at run time and its devices, or why it cannot be used.
+json cuda_memory_facts(const json& methods) {
+#ifdef FERRY_INFO_WITH_CUDA
+  std::string why;
+  auto info = ferry::transport::cuda::describe(&why);
+  if (!info) return {{"kind", "cuda"}, {"supported", false}, {"detail", why}};
+  json devices = json::array();
+  std::string names;
+  for (const auto& d : info->devices) {
+    devices.push_back({{"device", "cuda:" + std::to_string(d.ordinal)},
+                       {"name", d.name},
+                       {"pci_bus_id", d.pci_bus_id},
+                       {"vmm", d.vmm},
+                       {"dmabuf", d.dmabuf}});
+    names += (names.empty() ? "" : ", ") + ("cuda:" + std::to_string(d.ordinal)) + " " + d.name;
+  }
+  std::vector<std::string> movers;
+  for (const json& m : methods)
+    if (m["available"].get<bool>() &&
+        std::find(m["memory"].begin(), m["memory"].end(), "cuda") != m["memory"].end())
+      movers.push_back(m["method"].get<std::string>());
+  const std::string driver = "driver " + info->library + " " +
+                             std::to_string(info->version / 1000) + "." +
+                             std::to_string(info->version % 1000 / 10);
+  std::string detail = driver + "; " + (names.empty() ? "no device" : names) + "; ";
+  detail += movers.empty() ? "no method offered here moves it yet" : "moved by " + join(movers);
+  return {{"kind", "cuda"},          {"supported", !movers.empty()},    {"detail", detail},
+          {"driver", info->library}, {"driver_version", info->version}, {"devices", devices}};
+#else
+  (void)methods;
+  return {{"kind", "cuda"},
+          {"supported", false},
+          {"detail", std::string(kNotBuilt) + " (built without the CUDA toolkit's cuda.h, or "
+                                              "FERRY_WITH_CUDA=OFF)"}};
+#endif
+}
+
 json methods_facts(const Args& args) {
   json restricted = restriction(args);
   json methods = method_list(args, restricted);
@@ -249,7 +291,7 @@ json methods_facts(const Args& args) {
     if (m["available"].get<bool>()) offered.push_back(m["method"].get<std::string>());
   json memory = json::array({
       {{"kind", "host"}, {"supported", true}, {"detail", "moved by every method"}},
-      {{"kind", "cuda"}, {"supported", false}, {"detail", kNotBuilt}},
+      cuda_memory_facts(methods),
   });
   return {{"methods", methods},
           {"offered", offered},

@@ -47,8 +47,8 @@ void load(Loaded& l) {
   void* lib = ::dlopen(l.library.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* e = ::dlerror();
-    l.why = "no CUDA driver: " + l.library + " cannot be loaded (" + (e ? e : "unknown error") +
-            ")";
+    l.why =
+        "no CUDA driver: " + l.library + " cannot be loaded (" + (e ? e : "unknown error") + ")";
     return;
   }
   // The library stays loaded for the life of the process, as it would linked.
@@ -112,8 +112,7 @@ void load(Loaded& l) {
     a.mem_export_to_shareable_handle = nullptr;
   CUresult r = a.init(0);
   if (r != CUDA_SUCCESS) {
-    w = "the CUDA driver " + l.library + " did not start: cuInit failed with " +
-        result_text(&a, r);
+    w = "the CUDA driver " + l.library + " did not start: cuInit failed with " + result_text(&a, r);
     return;
   }
   l.ok = true;

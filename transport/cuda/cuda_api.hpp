@@ -77,8 +77,8 @@ struct CudaApi {
                                                CUmemAllocationHandleType type) = nullptr;
   CUresult (*mem_get_allocation_granularity)(size_t* granularity, const CUmemAllocationProp* prop,
                                              CUmemAllocationGranularity_flags option) = nullptr;
-  CUresult (*mem_address_reserve)(CUdeviceptr* ptr, size_t size, size_t alignment,
-                                  CUdeviceptr addr, unsigned long long flags) = nullptr;
+  CUresult (*mem_address_reserve)(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                  unsigned long long flags) = nullptr;
   CUresult (*mem_address_free)(CUdeviceptr ptr, size_t size) = nullptr;
   CUresult (*mem_map)(CUdeviceptr ptr, size_t size, size_t offset,
                       CUmemGenericAllocationHandle handle, unsigned long long flags) = nullptr;

@@ -39,6 +39,9 @@ struct MethodInfo {
   /// Why it is not offered (no permission, left out by the transports option, ...), or what
   /// it needs of a peer when it is.
   std::string detail;
+  /// Whether it moves CUDA memory (descriptors on cuda:N) in this build, where the CUDA
+  /// driver is usable; host memory is moved by every method.
+  bool moves_cuda = false;
 };
 
 /// The methods this build knows, best first, and whether a connector made with `options`

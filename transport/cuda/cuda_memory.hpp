@@ -1,0 +1,43 @@
+#pragma once
+
+// What the rest of ferry asks about CUDA memory, without <cuda.h>: whether this process can
+// use it at all, whether a range is device memory of a given device, and what the driver and
+// its devices are (for ferry-info). Compiled only with FERRY_WITH_CUDA.
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ferry/error.hpp>
+
+namespace ferry::transport::cuda {
+
+/// Why this process cannot use CUDA memory (no driver, no GPU, ...), or empty when it can.
+/// The driver is loaded on the first call; any thread.
+std::string unavailable();
+
+/// Why [ptr, ptr + size) cannot be used as memory of CUDA device `ordinal`: InvalidArgument
+/// when it is not device memory, is another device's, or runs past the end of its allocation;
+/// Unsupported when CUDA cannot be used here at all (with the reason). None when it can.
+/// Any thread.
+std::optional<Error> check_device_range(const void* ptr, std::size_t size, int ordinal);
+
+struct DeviceInfo {
+  int ordinal = 0;
+  std::string name;
+  std::string pci_bus_id;
+  bool vmm = false;     ///< allocations by cuMemCreate that export POSIX fds
+  bool dmabuf = false;  ///< device memory exported as dmabuf (GPUDirect without nvidia-peermem)
+};
+
+struct DriverInfo {
+  std::string library;  ///< what was loaded ("libcuda.so.1")
+  int version = 0;      ///< cuDriverGetVersion: 12040 is 12.4
+  std::vector<DeviceInfo> devices;
+};
+
+/// The driver and its devices; none, with why in `why`, when CUDA cannot be used here.
+std::optional<DriverInfo> describe(std::string* why);
+
+}  // namespace ferry::transport::cuda
