@@ -60,6 +60,7 @@
 #include <set>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #define FAKE_API extern "C" __attribute__((visibility("default")))
 
@@ -143,6 +144,7 @@ struct Mapping {
   int device = 0;
   CUmemAccess_flags access = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   CUmemGenericAllocationHandle handle = 0;  // vmm
+  unsigned long long handle_types = 0;      // vmm: those requested at cuMemCreate
   int ipc_refs = 0;                         // ipc
   pid_t ipc_pid = 0;                        // ipc
 };
@@ -922,7 +924,7 @@ FAKE_API CUresult CUDAAPI cuMemRetainAllocationHandle(CUmemGenericAllocationHand
   if (it == s.mappings.end() || it->second.kind != Kind::vmm) return CUDA_ERROR_INVALID_VALUE;
   const Mapping& m = it->second;
   VmmHandle& h = s.handles[m.handle];  // back again if it was released while mapped
-  if (h.refs++ == 0) h.backing = m.backing;
+  if (h.refs++ == 0) h = {m.backing, 1, m.handle_types};
   *handle = m.handle;
   return CUDA_SUCCESS;
 }
@@ -1018,6 +1020,7 @@ FAKE_API CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
   m.device = m.backing->device;
   m.access = CU_MEM_ACCESS_FLAGS_PROT_NONE;  // until cuMemSetAccess
   m.handle = handle;
+  m.handle_types = h->second.types;
   s.mappings.emplace(ptr, std::move(m));
   return CUDA_SUCCESS;
 }
@@ -1028,8 +1031,10 @@ FAKE_API CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
   std::lock_guard lock(s.mu);
   auto first = s.mappings.lower_bound(ptr);
   auto last = s.mappings.lower_bound(ptr + size);
-  if (first == last || containing_reserved(s, ptr) == s.reserved.end())
-    return CUDA_ERROR_INVALID_VALUE;
+  auto cut = containing_mapping(s, ptr);
+  if (first == last || containing_reserved(s, ptr) == s.reserved.end() ||
+      (cut != s.mappings.end() && cut->first != ptr))
+    return CUDA_ERROR_INVALID_VALUE;  // nothing mapped, or a mapping cut at ptr
   for (auto it = first; it != last; ++it)
     if (it->second.kind != Kind::vmm || it->first + it->second.size > ptr + size)
       return CUDA_ERROR_INVALID_VALUE;
@@ -1049,15 +1054,15 @@ FAKE_API CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUm
   }
   State& s = st();
   std::lock_guard lock(s.mu);
-  // The range must be mapped throughout.
+  // The range must be mapped throughout; the access is kept per mapping, for all of it.
+  std::vector<Mapping*> covered;
   for (uintptr_t at = ptr; at < ptr + size;) {
     auto it = containing_mapping(s, at);
     if (it == s.mappings.end() || it->second.kind != Kind::vmm) return CUDA_ERROR_INVALID_VALUE;
+    covered.push_back(&it->second);
     at = it->first + it->second.size;
   }
-  for (auto it = s.mappings.lower_bound(ptr); it != s.mappings.end() && it->first < ptr + size;
-       ++it)
-    it->second.access = access;
+  for (Mapping* m : covered) m->access = access;
   return CUDA_SUCCESS;
 }
 
