@@ -33,8 +33,16 @@ ScopedContext::~ScopedContext() {
 CopyEngine::CopyEngine(uv_loop_t* loop, const CudaApi& api)
     : api_(api), async_(loop::Async::async(loop, &CopyEngine::on_async, this)) {
   mailbox_->async = async_.get();
-  // The handle wakes the loop only when a copy finishes; it must not keep a loop alive.
+  // The handle keeps the loop alive only while copies are in flight (hold()).
   uv_unref(reinterpret_cast<uv_handle_t*>(async_.get()));
+}
+
+void CopyEngine::hold(bool busy) {
+  auto* h = reinterpret_cast<uv_handle_t*>(async_.get());
+  if (busy)
+    uv_ref(h);
+  else
+    uv_unref(h);
 }
 
 CopyEngine::~CopyEngine() {
@@ -82,6 +90,7 @@ std::uint64_t CopyEngine::copy(int ordinal, void* dst, const void* src, std::siz
   }
   (void)ticket.release();  // the host function owns it now
   pending_.emplace(id, Pending{ordinal, std::move(done)});
+  if (pending_.size() == 1) hold(true);
   return id;
 }
 
@@ -90,6 +99,7 @@ void CopyEngine::cancel(std::uint64_t id) {
   if (it == pending_.end()) return;
   const int ordinal = it->second.ordinal;
   pending_.erase(it);
+  if (pending_.empty()) hold(false);
   {
     // Finished already: its id waits in the mailbox, and deliver() will skip it.
     std::lock_guard<std::mutex> lock(mailbox_->mutex);
@@ -125,6 +135,7 @@ void CopyEngine::deliver() {
     if (it == pending_.end()) continue;  // cancelled
     Done done = std::move(it->second.done);
     pending_.erase(it);
+    if (pending_.empty()) hold(false);
     loop::guarded("a CUDA copy's completion", [&] { done(std::nullopt); });
   }
 }

@@ -35,7 +35,8 @@ class ScopedContext {
 
 /// Copies between host and CUDA memory, each completed on the loop thread. Behind each copy
 /// the driver runs a host function on its stream (cuLaunchHostFunc), which hands the copy's
-/// id to the loop through a uv_async: nothing polls, and an idle engine costs no wakeup. One
+/// id to the loop through a uv_async: nothing polls, and an idle engine costs no wakeup and
+/// keeps no loop alive. One
 /// stream per device, made on first use; every driver call here is made with that device's
 /// primary context current, and the thread's own context put back after.
 ///
@@ -86,6 +87,9 @@ class CopyEngine {
   };
 
   Device& device(int ordinal);
+  /// Refs the async handle while copies are in flight, so that a loop run until it has
+  /// nothing to do waits for them; an idle engine keeps no loop alive.
+  void hold(bool busy);
   static void CUDA_CB host_function(void* data);
   static void on_async(uv_async_t* handle);
   void deliver();
