@@ -346,6 +346,38 @@ TEST_F(CudaTcp, ADeadlineExpiresMidTransfer) {
   EXPECT_EQ(ended_with(writable), ErrorCode::Timeout);
 }
 
+TEST_F(CudaTcp, AConnectorReadsAndWritesItsOwnDeviceMemory) {
+  // Its client and its server stage at once, from pools of their own: neither waits on the
+  // other, with more transfers than one pool has chunks.
+  Connector self(test::tcp_only("self"));
+  constexpr std::size_t kSize = (16u << 20) + 3;
+  std::vector<std::unique_ptr<Memory>> mem;
+  std::vector<ReadableOperation> readables;
+  std::vector<ReadOperation> reads;
+  for (int i = 0; i < 3; ++i) {
+    mem.push_back(std::make_unique<Memory>(0, kSize));
+    mem.back()->fill(200 + static_cast<std::uint64_t>(i));
+    readables.push_back(self.create_readable({mem.back()->descriptor()}));
+  }
+  std::vector<std::unique_ptr<Memory>> dst;
+  for (int i = 0; i < 3; ++i) {
+    dst.push_back(std::make_unique<Memory>(1, kSize));
+    reads.push_back(self.begin_read(readables[static_cast<std::size_t>(i)].metadata(),
+                                    {dst.back()->descriptor()}));
+  }
+  for (auto& r : reads) ASSERT_TRUE(r.wait_for_completion(kWait));
+  for (auto& r : readables) ASSERT_TRUE(r.wait_for_completion(kWait));
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(dst[static_cast<std::size_t>(i)]->mismatch(200 + static_cast<std::uint64_t>(i)), -1);
+  Memory back(1, kSize);
+  back.fill(300);
+  auto writable = self.create_writable({mem[0]->descriptor()});
+  auto write = self.begin_write({back.descriptor()}, writable.metadata());
+  ASSERT_TRUE(write.wait_for_completion(kWait));
+  ASSERT_TRUE(writable.wait_for_completion(kWait));
+  EXPECT_EQ(mem[0]->mismatch(300), -1);
+}
+
 TEST_F(CudaTcp, ManyTransfersAtOnceShareThePool) {
   Connector owner(test::tcp_only("owner"));
   Connector peer(test::tcp_only("peer"));

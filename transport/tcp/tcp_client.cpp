@@ -112,7 +112,7 @@ void TcpTransport::pump(TcpTransfer& t) {
     if (ordinal >= 0) {
       // CUDA memory goes through a staging chunk; none free: go on when one is released.
       try {
-        chunk = acquire_chunk(ordinal);
+        chunk = acquire_chunk(ordinal, /*server=*/false);
       } catch (const Error& e) {
         staging_failed(t, e);
         return;
@@ -319,7 +319,7 @@ void TcpTransport::finish_transfer(TcpTransfer& t, std::optional<Error> error, b
     auto staged = std::move(t.staged);
     t.staged.clear();
     t.copying = 0;
-    for (auto& [req, s] : staged) staging_->release(s.chunk);
+    for (auto& [req, s] : staged) client_staging_->release(s.chunk);
   }
 #endif
   report_later(defer_, life_, transfers_, t.id, std::move(error), setup);

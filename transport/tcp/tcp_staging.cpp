@@ -23,8 +23,8 @@
 
 namespace ferry::transport::tcp {
 
-std::byte* TcpTransport::acquire_chunk(int ordinal) {
-  if (!staging_) {
+std::byte* TcpTransport::acquire_chunk(int ordinal, bool server) {
+  if (!client_staging_) {
     if (cuda_ == nullptr) throw Error(ErrorCode::Unsupported, "tcp has no CUDA driver");
     CUdevice dev = 0;
     CUcontext ctx = nullptr;
@@ -38,18 +38,23 @@ std::byte* TcpTransport::acquire_chunk(int ordinal) {
       if (!copies_) copies_ = std::make_unique<cuda::CopyEngine>(loop_, *cuda_);
       const std::uint64_t chunks = std::clamp<std::uint64_t>(
           options_.window / options_.chunk_size + 4, 4, std::uint64_t{64});
-      staging_ = std::make_unique<cuda::StagingPool>(
+      client_staging_ = std::make_unique<cuda::StagingPool>(
+          *cuda_, static_cast<std::size_t>(options_.chunk_size), static_cast<std::size_t>(chunks));
+      server_staging_ = std::make_unique<cuda::StagingPool>(
           *cuda_, static_cast<std::size_t>(options_.chunk_size), static_cast<std::size_t>(chunks));
     } catch (...) {
+      client_staging_.reset();
+      server_staging_.reset();
       (void)cuda_->device_primary_ctx_release(dev);
       throw;
     }
     staging_ctx_ = ctx;
     staging_device_ = ordinal;
-    staging_->set_on_release([this] { chunk_freed(); });
+    client_staging_->set_on_release([this] { chunk_freed(); });
+    server_staging_->set_on_release([this] { chunk_freed(); });
   }
   // Pinned chunks are portable: one context serves every device.
-  return staging_->acquire(staging_ctx_);
+  return (server ? server_staging_ : client_staging_)->acquire(staging_ctx_);
 }
 
 void TcpTransport::chunk_freed() {
@@ -93,7 +98,7 @@ void TcpTransport::release_chunk(TcpTransfer& t, std::uint64_t req) {
   if (it == t.staged.end()) return;
   std::byte* chunk = it->second.chunk;
   t.staged.erase(it);
-  staging_->release(chunk);
+  client_staging_->release(chunk);
 }
 
 void TcpTransport::stage_write(TcpTransfer& t, std::uint64_t req, const FrameHeader& h,
@@ -161,7 +166,7 @@ void TcpTransport::serve_read_staged(Connection& conn, const FrameHeader& h, con
                                      int ordinal) {
   std::byte* chunk = nullptr;
   try {
-    chunk = acquire_chunk(ordinal);
+    chunk = acquire_chunk(ordinal, /*server=*/true);
   } catch (const Error& e) {
     reply_status(conn, h.req_id, ErrorCode::Internal, e.message());
     return;
@@ -185,7 +190,7 @@ void TcpTransport::serve_read_staged(Connection& conn, const FrameHeader& h, con
         [this, tag](const std::optional<Error>& error) { served_read_copied(tag, error); });
   } catch (const Error& e) {
     server_staged_.erase(tag);
-    staging_->release(chunk);
+    server_staging_->release(chunk);
     reply_status(conn, h.req_id, ErrorCode::Internal, e.message());
     return;
   }
@@ -202,7 +207,7 @@ void TcpTransport::served_read_copied(std::uint64_t tag, const std::optional<Err
   if (conn == nullptr || !conn->open() || error) {
     const std::uint64_t op = s.op;
     const std::uint64_t req = s.req;
-    staging_->release(s.chunk);
+    server_staging_->release(s.chunk);
     server_staged_.erase(it);
     if (conn != nullptr && conn->open())
       reply_status(*conn, req, ErrorCode::Internal, error->message());
@@ -230,7 +235,7 @@ Connection::Sink TcpTransport::serve_write_staged(Connection& conn, const FrameH
   s.ordinal = ordinal;
   if (h.len <= options_.chunk_size) {
     try {
-      s.chunk = acquire_chunk(ordinal);
+      s.chunk = acquire_chunk(ordinal, /*server=*/true);
     } catch (const Error&) {
       // The heap buffer below still works; the copy tells if the driver is unusable.
     }
@@ -268,7 +273,7 @@ bool TcpTransport::staged_payload(Connection& conn, const FrameHeader& h, bool i
   if (it == server_staged_.end()) return false;  // dropped with its claim: refused as usual
   ServerStaged& s = it->second;
   if (!intact || s.req != h.req_id || exposures_.find(h.op_id) == nullptr) {
-    give_back(staging_.get(), s.heap, s.chunk);
+    give_back(server_staging_.get(), s.heap, s.chunk);
     server_staged_.erase(it);
     return false;
   }
@@ -277,7 +282,7 @@ bool TcpTransport::staged_payload(Connection& conn, const FrameHeader& h, bool i
         s.ordinal, s.device, s.chunk, static_cast<std::size_t>(s.len),
         [this, tag](const std::optional<Error>& error) { served_write_copied(tag, error); });
   } catch (const Error& e) {
-    give_back(staging_.get(), s.heap, s.chunk);
+    give_back(server_staging_.get(), s.heap, s.chunk);
     server_staged_.erase(it);
     reply_status(conn, h.req_id, ErrorCode::Internal, e.message());
   }
@@ -289,7 +294,7 @@ void TcpTransport::served_write_copied(std::uint64_t tag, const std::optional<Er
   if (it == server_staged_.end()) return;
   ServerStaged s = std::move(it->second);
   server_staged_.erase(it);
-  give_back(staging_.get(), s.heap, s.chunk);
+  give_back(server_staging_.get(), s.heap, s.chunk);
   Connection* conn = find_conn(s.conn);
   if (conn != nullptr && conn->open()) {
     if (error) {
@@ -336,7 +341,7 @@ void TcpTransport::drop_staged(std::uint64_t op, Connection* conn,
     }
     ServerStaged gone = std::move(s);
     server_staged_.erase(it);
-    give_back(staging_.get(), gone.heap, gone.chunk);
+    give_back(server_staging_.get(), gone.heap, gone.chunk);
   }
 }
 
@@ -354,7 +359,7 @@ void TcpTransport::drop_staged_conn(std::uint64_t conn) {
     auto it = server_staged_.find(tag);
     ServerStaged gone = std::move(it->second);
     server_staged_.erase(it);
-    give_back(staging_.get(), gone.heap, gone.chunk);
+    give_back(server_staging_.get(), gone.heap, gone.chunk);
   }
 }
 

@@ -127,7 +127,8 @@ void TcpTransport::close() {
   graveyard_.clear();
 #ifdef FERRY_WITH_CUDA
   // Last: the connections above may have sent their last frames from staging chunks.
-  staging_.reset();
+  client_staging_.reset();
+  server_staging_.reset();
   if (staging_ctx_ != nullptr) {
     CUdevice dev = 0;
     if (cuda_->device_get(&dev, staging_device_) == CUDA_SUCCESS)
@@ -319,7 +320,7 @@ void TcpTransport::on_sent(Connection& conn, std::uint64_t tag) {
     const std::uint64_t op = it->second.op;
     std::byte* chunk = it->second.chunk;
     server_staged_.erase(it);
-    staging_->release(chunk);
+    server_staging_->release(chunk);
     if (exposures_.sent(op)) finish_exposure(op, std::nullopt);
     return;
   }

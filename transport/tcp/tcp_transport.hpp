@@ -135,7 +135,10 @@ class TcpTransport final : public Transport, private Connection::Handler {
   /// A free staging chunk for a copy with device `ordinal`, or null when all are held (the
   /// pool's release re-pumps waiting transfers and serves waiting reads). Makes the copy
   /// engine and the pool on first use. Throws Error(Internal) when the driver refuses.
-  std::byte* acquire_chunk(int ordinal);
+  /// Client and server draw from pools of their own: a server waiting for a chunk never
+  /// waits for a client of the same transport (which holds its chunks until its peer's
+  /// answers come), so a connector may even serve its own transfers.
+  std::byte* acquire_chunk(int ordinal, bool server);
   void chunk_freed();
   /// The CUDA device of the exposure's memory at `ptr`; -1 for host memory.
   int region_device(const Exposures::Entry& entry, const std::byte* ptr) const;
@@ -235,7 +238,8 @@ class TcpTransport final : public Transport, private Connection::Handler {
   };
   const cuda::CudaApi* cuda_ = nullptr;
   std::unique_ptr<cuda::CopyEngine> copies_;
-  std::unique_ptr<cuda::StagingPool> staging_;
+  std::unique_ptr<cuda::StagingPool> client_staging_;
+  std::unique_ptr<cuda::StagingPool> server_staging_;
   CUctx_st* staging_ctx_ = nullptr;  ///< a primary context retained for pinned allocations
   int staging_device_ = -1;
   bool repump_scheduled_ = false;
