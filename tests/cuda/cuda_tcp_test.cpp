@@ -3,6 +3,7 @@
 // pairing of host and device memory both ways, scatter lists mixing them, cancel and revoke
 // mid-transfer, deadlines, and the staging pool idle after all of it.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <ferry/ferry.hpp>
 
@@ -13,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tests/support/child_process.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
 #include "transport/cuda/copy_engine.hpp"
@@ -399,6 +401,34 @@ TEST_F(CudaTcp, ManyTransfersAtOnceShareThePool) {
   for (auto& r : readables) ASSERT_TRUE(r.wait_for_completion(kWait));
   for (int i = 0; i < 6; ++i)
     EXPECT_EQ(dsts[static_cast<std::size_t>(i)]->mismatch(100 + static_cast<std::uint64_t>(i)), -1);
+}
+
+TEST_F(CudaTcp, AnotherProcessReadsAndWritesOurDeviceMemory) {
+  // The child (tests/support/peer_main.cpp) moves host memory; ours is on cuda:1, which only
+  // tcp offers. The child loads the simulated driver too, through the inherited environment.
+  using namespace std::chrono_literals;
+  Connector parent(test::tcp_only("parent"));
+  test::ChildProcess child(test::peer_command({"child"}));
+  constexpr std::size_t kSize = (5u << 20) + 17;
+  {
+    Memory src(1, kSize);
+    src.fill(11);
+    auto readable = parent.create_readable({src.descriptor()});
+    child.send_line("read 11 " + readable.metadata().to_json());
+    EXPECT_EQ(child.read_line(120s), "DONE complete");
+    ASSERT_TRUE(readable.wait_for_completion(kWait));
+  }
+  {
+    Memory dst(1, kSize);
+    auto writable = parent.create_writable({dst.descriptor()});
+    child.send_line("write 12 " + writable.metadata().to_json());
+    EXPECT_EQ(child.read_line(120s), "DONE complete");
+    ASSERT_TRUE(writable.wait_for_completion(kWait));
+    EXPECT_EQ(dst.mismatch(12), -1);
+  }
+  child.send_line("quit");
+  int status = child.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
 }
 
 }  // namespace
