@@ -18,6 +18,7 @@ struct Region {
   std::byte* ptr = nullptr;
   std::uint64_t size = 0;
   MemoryKind kind = MemoryKind::host;
+  int cuda_device = -1;  ///< the CUDA device ordinal of cuda memory; -1 for host memory
 };
 
 }  // namespace ferry::transport

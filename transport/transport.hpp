@@ -24,6 +24,8 @@ struct Segment {
   std::uint64_t remote_addr = 0;
   std::byte* local = nullptr;
   std::uint64_t len = 0;
+  /// The CUDA device ordinal of the local memory; -1 when it is host memory.
+  int cuda_device = -1;
 };
 
 /// What a transport can do; the method selector chooses by these, never by name.

@@ -14,7 +14,9 @@ std::vector<transport::Segment> match_streams(const std::vector<RemoteDescriptor
   std::uint64_t l_off = 0;
   while (r < remote.size() && l < local.size()) {
     std::uint64_t len = std::min(remote[r].size - r_off, local[l].size() - l_off);
-    out.push_back({remote[r].ptr + r_off, local[l].bytes() + l_off, len});
+    const Device dev = local[l].device();
+    out.push_back({remote[r].ptr + r_off, local[l].bytes() + l_off, len,
+                   dev.kind() == DeviceKind::cuda ? dev.id() : -1});
     r_off += len;
     l_off += len;
     if (r_off == remote[r].size) {

@@ -7,6 +7,9 @@
 
 #include "transport/cma/cma_transport.hpp"
 #include "transport/tcp/tcp_transport.hpp"
+#ifdef FERRY_WITH_CUDA
+#include "transport/cuda/cuda_memory.hpp"
+#endif
 #ifdef FERRY_WITH_VERBS
 #include "transport/verbs/verbs_transport.hpp"
 #endif
@@ -30,6 +33,10 @@ std::unique_ptr<transport::Transport> make_tcp(const TransportContext& c, std::s
   tcp.peer_timeout = o.peer_timeout;
   tcp.local_name = c.identity->name;
   tcp.local_id = std::stoull(c.identity->id, nullptr, 16);
+#ifdef FERRY_WITH_CUDA
+  // CUDA memory is staged through pinned host buffers where the driver is usable.
+  tcp.cuda = transport::cuda::usable_driver();
+#endif
   return std::make_unique<transport::tcp::TcpTransport>(c.loop, c.defer, std::move(tcp));
 }
 
@@ -102,7 +109,11 @@ std::unique_ptr<transport::Transport> make_verbs_transport(const TransportContex
 
 std::vector<TransportFactory> transport_factories() {
   std::vector<TransportFactory> out = {
+#ifdef FERRY_WITH_CUDA
+      {"tcp", make_tcp, 100, {}, "a TCP route to the peer's listener", /*moves_cuda=*/true},
+#else
       {"tcp", make_tcp, 100, {}, "a TCP route to the peer's listener"},
+#endif
       {"cma", make_cma, 200, cma_unavailable,
        "the peer on this host, in this PID namespace, allowed to read this process"},
 #ifdef FERRY_WITH_VERBS

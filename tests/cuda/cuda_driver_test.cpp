@@ -99,9 +99,20 @@ TEST_F(WithCudaDriver, DescriptorsAreCheckedAgainstTheDriver) {
   expect_refused(
       [&] { (void)owner.create_readable({Descriptor(gpu0.get(), 4096, Device::cuda(7))}); },
       ErrorCode::InvalidArgument, "there is no device cuda:7 (this host has 2)");
-  // Device memory rightly described: no method of this version moves it yet.
+  // Device memory rightly described: accepted (tcp stages it through host memory).
+  {
+    auto readable = owner.create_readable({Descriptor(gpu0.get() + 4096, 4096, Device::cuda(0))});
+    EXPECT_EQ(readable.status(), OperationStatus::initialized);
+    EXPECT_NE(readable.metadata().endpoints.size(), 0u);
+  }
+  // A connector whose methods move host memory only still refuses it.
+  ConnectorOptions cma_only = test::named("cma-only");
+  cma_only.transports = {"cma"};
+  Connector host_only(cma_only);
   expect_refused(
-      [&] { (void)owner.create_readable({Descriptor(gpu0.get() + 4096, 4096, Device::cuda(0))}); },
+      [&] {
+        (void)host_only.create_readable({Descriptor(gpu0.get() + 4096, 4096, Device::cuda(0))});
+      },
       ErrorCode::Unsupported, "no method of this connector moves CUDA memory");
   // The checks made no context current on this thread.
   CUcontext current = nullptr;

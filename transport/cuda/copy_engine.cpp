@@ -140,6 +140,10 @@ void CopyEngine::deliver() {
   }
 }
 
+std::atomic<std::size_t> StagingPool::held_in_process_{0};
+
+std::size_t StagingPool::held_in_process() noexcept { return held_in_process_.load(); }
+
 StagingPool::StagingPool(const CudaApi& api, std::size_t chunk_size, std::size_t max_chunks)
     : api_(api), chunk_size_(chunk_size), max_chunks_(max_chunks) {
   if (chunk_size_ == 0 || max_chunks_ < 2)
@@ -148,6 +152,7 @@ StagingPool::StagingPool(const CudaApi& api, std::size_t chunk_size, std::size_t
 }
 
 StagingPool::~StagingPool() {
+  held_in_process_ -= held();
   for (std::byte* chunk : all_) (void)api_.mem_free_host(chunk);
 }
 
@@ -155,6 +160,7 @@ std::byte* StagingPool::acquire(CUcontext ctx) {
   if (!free_.empty()) {
     std::byte* chunk = free_.back();
     free_.pop_back();
+    ++held_in_process_;
     return chunk;
   }
   if (all_.size() >= max_chunks_) return nullptr;
@@ -171,11 +177,13 @@ std::byte* StagingPool::acquire(CUcontext ctx) {
                                          "-byte staging chunk failed: " + result_text(&api_, r));
   }
   all_.push_back(static_cast<std::byte*>(p));
+  ++held_in_process_;
   return all_.back();
 }
 
 void StagingPool::release(std::byte* chunk) {
   free_.push_back(chunk);
+  --held_in_process_;
   if (on_release_) on_release_();
 }
 

@@ -2,6 +2,7 @@
 
 #include <uv.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -128,6 +129,8 @@ class StagingPool {
   /// Called by release(): a transfer waiting for a chunk may go on.
   void set_on_release(std::function<void()> on_release) { on_release_ = std::move(on_release); }
   std::size_t held() const noexcept { return all_.size() - free_.size(); }
+  /// Chunks held in every pool of this process (tests: none once every transfer is over).
+  static std::size_t held_in_process() noexcept;
 
  private:
   const CudaApi& api_;
@@ -136,6 +139,7 @@ class StagingPool {
   std::vector<std::byte*> all_;
   std::vector<std::byte*> free_;
   std::function<void()> on_release_;
+  static std::atomic<std::size_t> held_in_process_;
 };
 
 }  // namespace ferry::transport::cuda

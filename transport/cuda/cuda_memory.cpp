@@ -6,6 +6,8 @@
 
 namespace ferry::transport::cuda {
 
+const CudaApi* usable_driver() { return system_cuda(); }
+
 std::string unavailable() {
   std::string why;
   return system_cuda(&why) != nullptr ? std::string() : why;

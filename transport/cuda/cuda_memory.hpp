@@ -13,6 +13,12 @@
 
 namespace ferry::transport::cuda {
 
+struct CudaApi;
+
+/// The driver's table (system_cuda()), or null when this process cannot use CUDA memory: for
+/// code that hands the table on without calling it (no <cuda.h> needed). Any thread.
+const CudaApi* usable_driver();
+
 /// Why this process cannot use CUDA memory (no driver, no GPU, ...), or empty when it can.
 /// The driver is loaded on the first call; any thread.
 std::string unavailable();

@@ -106,8 +106,25 @@ void TcpTransport::pump(TcpTransfer& t) {
     h.len = len;
     h.token = t.spec.token;
     std::byte* local = s.local + t.seg_off;
+    std::byte* chunk = nullptr;
+    const int ordinal = s.cuda_device;
+#ifdef FERRY_WITH_CUDA
+    if (ordinal >= 0) {
+      // CUDA memory goes through a staging chunk; none free: go on when one is released.
+      try {
+        chunk = acquire_chunk(ordinal, /*server=*/false);
+      } catch (const Error& e) {
+        staging_failed(t, e);
+        return;
+      }
+      if (chunk == nullptr) {
+        t.waiting_chunk = true;
+        break;
+      }
+    }
+#endif
     add_pending(req, Pending{t.id, writing ? PendingKind::write_chunk : PendingKind::read_chunk,
-                             local, len, t.conn->id()});
+                             local, len, t.conn->id(), chunk, ordinal});
     t.reqs.insert(req);
     t.inflight += len;
     t.seg_off += len;
@@ -115,11 +132,24 @@ void TcpTransport::pump(TcpTransfer& t) {
       ++t.seg;
       t.seg_off = 0;
     }
-    t.conn->send(h, {}, writing ? local : nullptr, writing ? t.id : 0);
+    if (chunk == nullptr) {
+      t.conn->send(h, {}, writing ? local : nullptr, writing ? t.id : 0);
+      continue;
+    }
+#ifdef FERRY_WITH_CUDA
+    t.staged[req].chunk = chunk;
+    if (writing) {
+      // The WRITE leaves once its bytes are out of the device (staged_write_ready).
+      stage_write(t, req, h, local, ordinal);
+      if (t.finished) return;
+    } else {
+      t.conn->send(h);
+    }
+#endif
   }
   // A write is announced done right behind its last chunk; the peer answers DONE only after
   // every chunk before it is in its memory, so that answer completes the transfer.
-  if (writing && !t.finished && !t.done_sent && t.seg == t.spec.segments.size()) {
+  if (writing && !t.finished && !t.done_sent && t.seg == t.spec.segments.size() && t.copying == 0) {
     t.done_sent = true;
     send_done(*t.conn, t, nullptr);
   }
@@ -181,7 +211,7 @@ Connection::Sink TcpTransport::client_frame(Connection& conn, const FrameHeader&
       if (p.kind != PendingKind::read_chunk || h.len != p.len)
         return fatal("DATA does not match read request " + std::to_string(h.req_id));
       Connection::Sink sink;
-      sink.dest = p.local;
+      sink.dest = p.staging != nullptr ? p.staging : p.local;
       sink.tag = p.transfer;
       return sink;
     }
@@ -251,6 +281,9 @@ Connection::Sink TcpTransport::client_frame(Connection& conn, const FrameHeader&
 
 void TcpTransport::chunk_done(TcpTransfer& t, std::uint64_t req, std::uint64_t len) {
   t.reqs.erase(req);
+#ifdef FERRY_WITH_CUDA
+  if (!t.staged.empty()) release_chunk(t, req);
+#endif
   t.inflight -= len;
   t.done += len;
   if (t.done < t.total) {
@@ -268,12 +301,27 @@ void TcpTransport::chunk_done(TcpTransfer& t, std::uint64_t req, std::uint64_t l
 void TcpTransport::finish_transfer(TcpTransfer& t, std::optional<Error> error, bool setup) {
   if (t.finished) return;
   t.finished = true;
+  t.waiting_chunk = false;
+#ifdef FERRY_WITH_CUDA
+  // Copies between the device and staging chunks stop first (cancel waits for one in
+  // flight), then the connection lets go of the chunks, then they go back to the pool.
+  for (auto& [req, s] : t.staged)
+    if (s.copy != 0) copies_->cancel(s.copy);
+#endif
   for (std::uint64_t req : t.reqs) erase_pending(req);
   t.reqs.clear();
   if (t.conn != nullptr) {
     t.conn->release(t.id);
     t.conn->drop_sink(t.id);
   }
+#ifdef FERRY_WITH_CUDA
+  if (!t.staged.empty()) {
+    auto staged = std::move(t.staged);
+    t.staged.clear();
+    t.copying = 0;
+    for (auto& [req, s] : staged) client_staging_->release(s.chunk);
+  }
+#endif
   report_later(defer_, life_, transfers_, t.id, std::move(error), setup);
 }
 

@@ -5,9 +5,13 @@
 
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "transport/tcp/tcp_transport.hpp"
+#ifdef FERRY_WITH_CUDA
+#include "transport/cuda/copy_engine.hpp"
+#endif
 
 namespace ferry::transport::tcp {
 
@@ -43,6 +47,15 @@ class TcpTransfer final : public Transfer {
   bool notified = false;
   std::optional<Token> secret;             // the owner's claim secret, once it sent it
   std::unordered_set<std::uint64_t> reqs;  // requests awaiting an answer
+  // CUDA memory, staged through pinned host chunks: the chunk each request holds, and the
+  // copy between it and the device in flight (0: none).
+  struct Staged {
+    std::byte* chunk = nullptr;
+    std::uint64_t copy = 0;
+  };
+  std::unordered_map<std::uint64_t, Staged> staged;  // by request
+  std::uint64_t copying = 0;   // write chunks still being copied out of the device
+  bool waiting_chunk = false;  // stopped pumping for want of a staging chunk
 };
 
 }  // namespace ferry::transport::tcp

@@ -18,8 +18,7 @@ namespace ferry::transport::tcp {
 // Server side: serving exposures
 
 std::shared_ptr<const Registration> TcpTransport::register_memory(const Region& region) {
-  if (region.kind != MemoryKind::host)
-    throw Error(ErrorCode::Unsupported, "tcp moves host memory only");
+  if (!caps_.moves(region.kind)) throw Error(ErrorCode::Unsupported, "tcp moves host memory only");
   return registrations_.acquire(region);
 }
 
@@ -47,12 +46,16 @@ Connection* TcpTransport::end_claim(std::uint64_t conn_id, std::uint64_t id, con
   conn->expect_answers(-1);  // the claim no longer waits for this peer
   // Read responses still queued become error answers that tell the claimant why (one partly
   // sent finishes from a copy); a payload being received is drained, not stored.
-  conn->release(id, [&](FrameHeader& h, std::string& message) {
+  auto replace = [&](FrameHeader& h, std::string& message) {
     h.type = FrameType::status;
     h.status = static_cast<std::uint32_t>(reason.code());
     message = reason.message().substr(0, kMaxMessage);
-  });
+  };
+  conn->release(id, replace);
   conn->drop_sink(id);
+#ifdef FERRY_WITH_CUDA
+  if (!server_staged_.empty() || !parked_done_.empty()) drop_staged(id, conn, replace);
+#endif
   return conn;
 }
 
@@ -141,6 +144,14 @@ void TcpTransport::serve_read(Connection& conn, const FrameHeader& h) {
     return;
   }
   claim(*v.entry, conn);
+#ifdef FERRY_WITH_CUDA
+  if (cuda_ != nullptr) {
+    if (int ordinal = region_device(*v.entry, v.ptr); ordinal >= 0) {
+      serve_read_staged(conn, h, v.ptr, ordinal);
+      return;
+    }
+  }
+#endif
   exposures_.sending(h.op_id);
   FrameHeader d;
   d.type = FrameType::data;
@@ -158,6 +169,12 @@ Connection::Sink TcpTransport::serve_write(Connection& conn, const FrameHeader& 
   auto v = exposures_.check(h.op_id, h.token, Access::write, h.addr, h.len, conn.id());
   if (!v.ok()) return {};  // discarded; on_payload answers with the refusal
   claim(*v.entry, conn);
+#ifdef FERRY_WITH_CUDA
+  if (cuda_ != nullptr) {
+    if (int ordinal = region_device(*v.entry, v.ptr); ordinal >= 0)
+      return serve_write_staged(conn, h, v.ptr, ordinal);
+  }
+#endif
   Connection::Sink sink;
   sink.dest = v.ptr;
   sink.tag = h.op_id;
@@ -177,6 +194,14 @@ void TcpTransport::serve_done(Connection& conn, const FrameHeader& h, const std:
     return;
   }
   claim(*v.entry, conn);
+#ifdef FERRY_WITH_CUDA
+  if (h.status == 0 && access == Access::write && writes_copying(h.op_id)) {
+    // Bytes of earlier WRITEs are still on their way into the device: answer once they are
+    // all there (served_write_copied serves this DONE again).
+    parked_done_[h.op_id] = ParkedDone{conn.id(), h, message};
+    return;
+  }
+#endif
   if (h.status == 0 && access == Access::write) {
     // A writable is complete only when every byte it exposes was written at least once.
     if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {

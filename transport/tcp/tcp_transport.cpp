@@ -22,6 +22,10 @@ TcpTransport::TcpTransport(uv_loop_t* loop, Defer defer, Options options)
   caps_.method = "tcp";
   caps_.rank = 100;
   caps_.memory_kinds = bit(MemoryKind::host);
+#ifdef FERRY_WITH_CUDA
+  cuda_ = options_.cuda;
+  if (cuda_ != nullptr) caps_.memory_kinds |= bit(MemoryKind::cuda);
+#endif
   caps_.same_host_only = false;
   caps_.passive_cpu_free = false;
   if (options_.chunk_size == 0 || options_.window < options_.chunk_size)
@@ -95,6 +99,14 @@ void TcpTransport::close() {
   closed_ = true;
   life_.reset();
   sweep_.reset();
+#ifdef FERRY_WITH_CUDA
+  // Copies in flight end first (the engine waits for them, without their completions).
+  copies_.reset();
+  server_staged_.clear();
+  receiving_.clear();
+  waiting_reads_.clear();
+  parked_done_.clear();
+#endif
   unclaimed_.clear();
   if (listen_poll_) {
     listen_poll_.reset();
@@ -113,6 +125,17 @@ void TcpTransport::close() {
   for (auto& [id, conn] : conns_) conn->close_gracefully();
   conns_.clear();  // closes each socket; no handler calls
   graveyard_.clear();
+#ifdef FERRY_WITH_CUDA
+  // Last: the connections above may have sent their last frames from staging chunks.
+  client_staging_.reset();
+  server_staging_.reset();
+  if (staging_ctx_ != nullptr) {
+    CUdevice dev = 0;
+    if (cuda_->device_get(&dev, staging_device_) == CUDA_SUCCESS)
+      (void)cuda_->device_primary_ctx_release(dev);
+    staging_ctx_ = nullptr;
+  }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -250,6 +273,9 @@ Connection::Sink TcpTransport::on_frame(Connection& conn, const FrameHeader& h,
 
 void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint64_t, bool intact) {
   if (conn.role() == Connection::Role::server) {
+#ifdef FERRY_WITH_CUDA
+    if (!receiving_.empty() && staged_payload(conn, h, intact)) return;
+#endif
     // The end of a WRITE: answer it now that its bytes are in memory (or were refused).
     if (intact && exposures_.find(h.op_id) != nullptr) {
       exposures_.landed(h.op_id, h.addr, h.len);
@@ -274,11 +300,31 @@ void TcpTransport::on_payload(Connection& conn, const FrameHeader& h, std::uint6
   erase_pending(it);
   auto tit = transfers_.find(p.transfer);
   if (!intact || tit == transfers_.end() || tit->second->finished) return;
+#ifdef FERRY_WITH_CUDA
+  if (p.staging != nullptr) {
+    // The bytes are in a staging chunk: the chunk is done once they are in the device.
+    stage_read_landed(*tit->second, h.req_id, p);
+    return;
+  }
+#endif
   chunk_done(*tit->second, h.req_id, p.len);
 }
 
 void TcpTransport::on_sent(Connection& conn, std::uint64_t tag) {
   if (conn.role() != Connection::Role::server) return;
+#ifdef FERRY_WITH_CUDA
+  if ((tag & kStagedTag) != 0) {
+    // DATA sent from a staging chunk: the chunk is free again.
+    auto it = server_staged_.find(tag);
+    if (it == server_staged_.end()) return;
+    const std::uint64_t op = it->second.op;
+    std::byte* chunk = it->second.chunk;
+    server_staged_.erase(it);
+    server_staging_->release(chunk);
+    if (exposures_.sent(op)) finish_exposure(op, std::nullopt);
+    return;
+  }
+#endif
   if (exposures_.sent(tag)) finish_exposure(tag, std::nullopt);
 }
 
@@ -301,6 +347,9 @@ void TcpTransport::on_closed(Connection& conn, const std::string& reason) {
       t->conn = nullptr;  // the connection is about to be destroyed
     }
   } else {
+#ifdef FERRY_WITH_CUDA
+    drop_staged_conn(conn.id());
+#endif
     exposures_.lose_connection(
         conn.id(), Error(ErrorCode::PeerLost, "peer " + who + " disconnected: " + reason));
   }

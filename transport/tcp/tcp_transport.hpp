@@ -3,6 +3,7 @@
 #include <uv.h>
 
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -18,6 +19,15 @@
 #include "transport/tcp/connection.hpp"
 #include "transport/tcp/socket.hpp"
 #include "transport/transport.hpp"
+
+#ifdef FERRY_WITH_CUDA
+struct CUctx_st;
+namespace ferry::transport::cuda {
+struct CudaApi;
+class CopyEngine;
+class StagingPool;
+}  // namespace ferry::transport::cuda
+#endif
 
 namespace ferry::transport::tcp {
 
@@ -41,6 +51,11 @@ class TcpTransport final : public Transport, private Connection::Handler {
     std::chrono::milliseconds peer_timeout{2000};
     std::string local_name;      ///< sent in HELLO, shown in peers' errors
     std::uint64_t local_id = 0;  ///< the connector's id, sent in HELLO
+#ifdef FERRY_WITH_CUDA
+    /// The CUDA driver; when set, CUDA memory is moved too, staged through pinned host
+    /// chunks of chunk_size bytes (docs/design.md).
+    const cuda::CudaApi* cuda = nullptr;
+#endif
   };
   /// Runs `task` after the current loop callback (EventLoop::defer).
   using Defer = std::function<void(std::function<void()>)>;
@@ -71,6 +86,9 @@ class TcpTransport final : public Transport, private Connection::Handler {
     std::byte* local = nullptr;
     std::uint64_t len = 0;
     std::uint64_t conn = 0;
+    /// A staging chunk the request's DATA lands in (CUDA memory at `local`), else null.
+    std::byte* staging = nullptr;
+    int cuda_device = -1;
   };
 
   // Connection::Handler
@@ -112,6 +130,45 @@ class TcpTransport final : public Transport, private Connection::Handler {
   void erase_pending(std::uint64_t req);
   Connection* find_conn(std::uint64_t id);
 
+#ifdef FERRY_WITH_CUDA
+  // CUDA memory, staged through pinned host chunks (tcp_staging.cpp).
+  /// A free staging chunk for a copy with device `ordinal`, or null when all are held (the
+  /// pool's release re-pumps waiting transfers and serves waiting reads). Makes the copy
+  /// engine and the pool on first use. Throws Error(Internal) when the driver refuses.
+  /// Client and server draw from pools of their own: a server waiting for a chunk never
+  /// waits for a client of the same transport (which holds its chunks until its peer's
+  /// answers come), so a connector may even serve its own transfers.
+  std::byte* acquire_chunk(int ordinal, bool server);
+  void chunk_freed();
+  /// The CUDA device of the exposure's memory at `ptr`; -1 for host memory.
+  int region_device(const Exposures::Entry& entry, const std::byte* ptr) const;
+  // Client.
+  void stage_write(TcpTransfer& t, std::uint64_t req, const FrameHeader& h, const std::byte* src,
+                   int ordinal);
+  void staged_write_ready(std::uint64_t transfer, std::uint64_t req, const FrameHeader& h,
+                          const std::optional<Error>& error);
+  void stage_read_landed(TcpTransfer& t, std::uint64_t req, const Pending& p);
+  void staged_read_done(std::uint64_t transfer, std::uint64_t req, std::uint64_t len,
+                        const std::optional<Error>& error);
+  void staging_failed(TcpTransfer& t, const Error& error);
+  void release_chunk(TcpTransfer& t, std::uint64_t req);
+  // Server.
+  void serve_read_staged(Connection& conn, const FrameHeader& h, const std::byte* src, int ordinal);
+  void served_read_copied(std::uint64_t tag, const std::optional<Error>& error);
+  Connection::Sink serve_write_staged(Connection& conn, const FrameHeader& h, std::byte* dst,
+                                      int ordinal);
+  bool staged_payload(Connection& conn, const FrameHeader& h, bool intact);
+  void served_write_copied(std::uint64_t tag, const std::optional<Error>& error);
+  bool writes_copying(std::uint64_t op) const;
+  /// Exposure `op` ends: its copies are cancelled (waiting for those in flight), its frames
+  /// from staging chunks are dropped from `conn` (rewritten by `replace`), its chunks go back.
+  void drop_staged(std::uint64_t op, Connection* conn,
+                   const std::function<void(FrameHeader&, std::string&)>& replace);
+  /// Connection `conn` is gone: the same for everything it had staged.
+  void drop_staged_conn(std::uint64_t conn);
+  void serve_waiting_reads();
+#endif
+
   // Listener.
   static void on_listen(uv_poll_t* handle, int status, int events);
   void accept_all();
@@ -150,6 +207,48 @@ class TcpTransport final : public Transport, private Connection::Handler {
 
   std::unordered_map<std::uint64_t, TcpTransfer*> transfers_;
   std::unordered_map<std::uint64_t, Pending> pending_;
+
+#ifdef FERRY_WITH_CUDA
+  /// Server frames sent from staging chunks are tagged with this bit and a serial number
+  /// (operation ids never have it), so on_sent names the chunk.
+  static constexpr std::uint64_t kStagedTag = std::uint64_t{1} << 63;
+  /// A request the server stages through host memory: a READ being copied out of the
+  /// device and sent, or a WRITE being received and copied into it.
+  struct ServerStaged {
+    std::uint64_t op = 0;
+    std::uint64_t conn = 0;
+    std::uint64_t req = 0;
+    bool write = false;
+    std::byte* chunk = nullptr;         ///< from the pool, or heap below
+    std::unique_ptr<std::byte[]> heap;  ///< when no chunk was free for a WRITE
+    std::byte* device = nullptr;        ///< where a WRITE's bytes go
+    std::uint64_t addr = 0;
+    std::uint64_t len = 0;
+    int ordinal = -1;
+    std::uint64_t copy = 0;  ///< the copy in flight; 0: none
+  };
+  struct WaitingRead {
+    std::uint64_t conn = 0;
+    FrameHeader h;
+  };
+  struct ParkedDone {
+    std::uint64_t conn = 0;
+    FrameHeader h;
+    std::string message;
+  };
+  const cuda::CudaApi* cuda_ = nullptr;
+  std::unique_ptr<cuda::CopyEngine> copies_;
+  std::unique_ptr<cuda::StagingPool> client_staging_;
+  std::unique_ptr<cuda::StagingPool> server_staging_;
+  CUctx_st* staging_ctx_ = nullptr;  ///< a primary context retained for pinned allocations
+  int staging_device_ = -1;
+  bool repump_scheduled_ = false;
+  std::uint64_t next_staged_ = 1;
+  std::map<std::uint64_t, ServerStaged> server_staged_;         ///< by tag
+  std::unordered_map<std::uint64_t, std::uint64_t> receiving_;  ///< conn -> tag of its WRITE
+  std::deque<WaitingRead> waiting_reads_;  ///< READs of CUDA memory waiting for a chunk
+  std::unordered_map<std::uint64_t, ParkedDone> parked_done_;  ///< by op: DONE after copies
+#endif
 
   /// Deferred notifications hold a weak reference; they do nothing once the transport is gone.
   std::shared_ptr<int> life_ = std::make_shared<int>(0);
