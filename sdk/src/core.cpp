@@ -150,17 +150,21 @@ void Core::start() {
         if (!wanted.empty() &&
             std::find(wanted.begin(), wanted.end(), factory.method) == wanted.end()) {
           absent.emplace_back(factory.method, kLeftOut);
-          methods.push_back({factory.method, factory.rank, false, kLeftOut});
+          methods.push_back({factory.method, factory.rank, false, kLeftOut, factory.moves_cuda,
+                             factory.moves_host});
           continue;
         }
         std::string why;
         auto t = factory.make(context, why);
         if (!t) {
           absent.emplace_back(factory.method, why);
-          methods.push_back({factory.method, factory.rank, false, why});
+          methods.push_back(
+              {factory.method, factory.rank, false, why, factory.moves_cuda, factory.moves_host});
           continue;
         }
-        methods.push_back({factory.method, t->capabilities().rank, true, factory.needs});
+        methods.push_back({factory.method, t->capabilities().rank, true, factory.needs,
+                           t->capabilities().moves(transport::MemoryKind::cuda),
+                           t->capabilities().moves(transport::MemoryKind::host)});
         transports.push_back(std::move(t));
       }
       std::stable_sort(methods.begin(), methods.end(),
@@ -384,7 +388,7 @@ std::vector<MethodInfo> probe_methods(const ConnectorOptions& options) {
   const std::vector<std::string> wanted = detail::resolve_transports(options);
   std::vector<MethodInfo> out;
   for (const detail::TransportFactory& f : detail::transport_factories()) {
-    MethodInfo info{f.method, f.rank, false, {}, f.moves_cuda};
+    MethodInfo info{f.method, f.rank, false, {}, f.moves_cuda, f.moves_host};
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.method) == wanted.end()) {
       info.detail = detail::kLeftOut;
     } else {

@@ -46,10 +46,21 @@ void PassiveOperation::expose(const transport::Token& token) {
                   "no method of this connector moves CUDA memory (it has [" + methods +
                       "], which move host memory only)");
     }
+    std::string refusals;
     for (const auto& t : core->transports) {
       if (!moves(*t)) continue;
-      for (const transport::Region& r : exposure.regions)
-        registrations_.push_back(t->register_memory(r));
+      const std::size_t before = registrations_.size();
+      try {
+        for (const transport::Region& r : exposure.regions)
+          registrations_.push_back(t->register_memory(r));
+      } catch (const Error& e) {
+        // A method that cannot serve this particular memory (CUDA memory without an IPC
+        // handle, say) is not offered; the others are.
+        if (e.code() != ErrorCode::Unsupported) throw;
+        registrations_.resize(before);
+        refusals += (refusals.empty() ? "" : "; ") + e.message();
+        continue;
+      }
       std::string info = t->expose(exposure, *this);
       exposed_on_.push_back(t.get());
       for (const Endpoint& e : t->endpoints()) {
@@ -57,6 +68,9 @@ void PassiveOperation::expose(const transport::Token& token) {
         m.endpoints.back().info = info;
       }
     }
+    if (exposed_on_.empty())
+      throw Error(ErrorCode::Unsupported,
+                  "no method of this connector can serve this memory: " + refusals);
   } catch (...) {
     release(OperationStatus::errored, Error(ErrorCode::Cancelled, "the operation was refused"));
     throw;

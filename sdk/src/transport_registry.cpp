@@ -66,6 +66,30 @@ std::unique_ptr<transport::Transport> make_cma(const TransportContext& c, std::s
   return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, std::move(cma));
 }
 
+#ifdef FERRY_WITH_CUDA
+std::string cuda_ipc_unavailable(const ConnectorOptions& o) {
+  if (std::string why = transport::cuda::unavailable(); !why.empty()) return why;
+  // It claims and grants as cma does: it needs what cma needs.
+  if (std::string why = cma_unavailable(o); !why.empty()) return why;
+  return {};
+}
+
+std::unique_ptr<transport::Transport> make_cuda_ipc(const TransportContext& c, std::string& why) {
+  const ConnectorOptions& o = *c.options;
+  why = cuda_ipc_unavailable(o);
+  if (!why.empty()) return nullptr;
+  transport::cma::CmaTransport::Options ipc;
+  ipc.chunk_size = o.cma.chunk_size;
+  ipc.parallel = o.cma.parallel;
+  ipc.ptracer_any = cma_ptracer_any(o);
+  ipc.peer_timeout = o.peer_timeout;
+  ipc.local_name = c.identity->name;
+  ipc.local_id = std::stoull(c.identity->id, nullptr, 16);
+  ipc.cuda_ipc = transport::cuda::usable_driver();
+  return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, std::move(ipc));
+}
+#endif
+
 #ifdef FERRY_WITH_VERBS
 std::string verbs_unavailable(const ConnectorOptions&) {
   return transport::verbs::VerbsTransport::unavailable(nullptr);
@@ -119,6 +143,12 @@ std::vector<TransportFactory> transport_factories() {
 #ifdef FERRY_WITH_VERBS
       {"verbs", make_verbs, 300, verbs_unavailable,
        "an RDMA device on both hosts with a route between them (rdma_cm)"},
+#endif
+#ifdef FERRY_WITH_CUDA
+      {"cuda_ipc", make_cuda_ipc, 400, cuda_ipc_unavailable,
+       "CUDA memory on both sides; the peer another process on this host, in this PID "
+       "namespace, allowed to read this process",
+       /*moves_cuda=*/true, /*moves_host=*/false},
 #endif
   };
   std::lock_guard lock(added_mu);

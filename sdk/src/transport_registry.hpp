@@ -45,6 +45,8 @@ struct TransportFactory {
   std::string needs{};
   /// Whether its transport moves CUDA memory (Capabilities::memory_kinds) where CUDA is usable.
   bool moves_cuda = false;
+  /// Whether it moves host memory (every method but cuda_ipc).
+  bool moves_host = true;
 };
 
 /// The methods this library has, then those added by add_transport_factory, in that order.

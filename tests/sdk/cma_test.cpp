@@ -714,9 +714,10 @@ TEST(CmaPeerKilled, OwnerKilledMidReadErrorsTheReadWithPeerLost) {
 TEST(CmaProbe, OfferedAboveTcpAndConnectorsAgree) {
   SKIP_WITHOUT_CMA();
   const auto probed = probe_methods(options("probe"));
-  // Best first: verbs (where built, available or not), cma, tcp.
+  // Best first: cuda_ipc and verbs (where built, available or not), cma, tcp.
   std::size_t at = 0;
-  if (!probed.empty() && probed[0].method == "verbs") at = 1;
+  while (at < probed.size() && (probed[at].method == "cuda_ipc" || probed[at].method == "verbs"))
+    ++at;
   ASSERT_GE(probed.size(), at + 2);
   EXPECT_EQ(probed[at].method, "cma");
   EXPECT_EQ(probed[at].rank, 200);

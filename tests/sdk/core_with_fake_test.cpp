@@ -228,11 +228,14 @@ TEST(Selection, NoMethodInCommonIsRefusedAtBegin) {
 }
 
 /// The methods this build has, in the registry's order.
+const std::string kBuilt = std::string("tcp, cma")
 #ifdef FERRY_WITH_VERBS
-const std::string kBuilt = "tcp, cma, verbs";
-#else
-const std::string kBuilt = "tcp, cma";
+                           + ", verbs"
 #endif
+#ifdef FERRY_WITH_CUDA
+                           + ", cuda_ipc"
+#endif
+    ;
 
 TEST(Selection, AnUnknownTransportNameIsAnInvalidArgument) {
   FakeTransportFactory fake;
@@ -259,6 +262,7 @@ TEST(Selection, AMethodNotAvailableHereIsAbsentAndSaysWhy) {
     std::string expected =
         "no transfer method is available here (tcp" + left_out + "; cma" + left_out + "; ";
     if (kBuilt.find("verbs") != std::string::npos) expected += "verbs" + left_out + "; ";
+    if (kBuilt.find("cuda_ipc") != std::string::npos) expected += "cuda_ipc" + left_out + "; ";
     EXPECT_EQ(e.message(), expected + "fake: switched off by the test)");
   }
   Connector without(options("without", {}));

@@ -208,6 +208,13 @@ std::vector<ferry::MethodInfo> probe(const Args& args, json& restricted) {
   }
 }
 
+json memory_kinds(const ferry::MethodInfo& info) {
+  json kinds = json::array();
+  if (info.moves_host) kinds.push_back("host");
+  if (info.moves_cuda) kinds.push_back("cuda");
+  return kinds;
+}
+
 json method_list(const Args& args, json& restricted) {
   json methods = json::array();
   for (const ferry::MethodInfo& info : probe(args, restricted))
@@ -218,7 +225,7 @@ json method_list(const Args& args, json& restricted) {
          {"available", info.available},
          {"status", method_status(info, restricted)},
          {"detail", info.detail},
-         {"memory", info.moves_cuda ? json::array({"host", "cuda"}) : json::array({"host"})}});
+         {"memory", memory_kinds(info)}});
   for (const LaterMethod& later : later_methods()) {
     auto built = [&](const json& m) { return m["method"] == later.method; };
     if (std::none_of(methods.begin(), methods.end(), built))
@@ -290,7 +297,11 @@ json methods_facts(const Args& args) {
   for (const json& m : methods)
     if (m["available"].get<bool>()) offered.push_back(m["method"].get<std::string>());
   json memory = json::array({
+#ifdef FERRY_INFO_WITH_CUDA
+      {{"kind", "host"}, {"supported", true}, {"detail", "moved by every method but cuda_ipc"}},
+#else
       {{"kind", "host"}, {"supported", true}, {"detail", "moved by every method"}},
+#endif
       cuda_memory_facts(methods),
   });
   return {{"methods", methods},

@@ -92,6 +92,9 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
   OwnerInfo info;
   if (auto e = parse_endpoint(spec.endpoint, info)) throw *e;
+  if (ipc())
+    for (const Segment& s : spec.segments)
+      if (s.cuda_device < 0) throw Error(ErrorCode::Unsupported, "cuda_ipc moves CUDA memory only");
   auto t = std::make_unique<CmaTransfer>(*this, next_transfer_++, std::move(spec), observer);
   transfers_[t->id] = t.get();
   std::string error;
@@ -226,6 +229,12 @@ void CmaTransport::send_claim(CmaTransfer& t) {
 
 void CmaTransport::pump(CmaTransfer& t) {
   if (t.finished || !t.claimed || t.ended_by_owner) return;
+#ifdef FERRY_WITH_CUDA
+  if (ipc()) {
+    pump_ipc(t);
+    return;
+  }
+#endif
   if (t.total <= options_.inline_max && t.jobs == 0 && t.seg == 0 && t.seg_off == 0) {
     copy_inline(t);
     return;
@@ -373,6 +382,21 @@ tcp::Connection::Sink CmaTransport::client_frame(tcp::Connection& conn, const tc
     return t == transfers_.end() || t->second->finished ? nullptr : t->second;
   };
   switch (h.type) {
+    case tcp::FrameType::handles: {
+      // cuda_ipc: the owner's handles, ahead of CLAIMED for the same request.
+      if (!ipc()) return fatal("HANDLES from a cma server");
+      if (h.len > kMaxHandleBytes) return fatal("HANDLES of " + std::to_string(h.len) + " bytes");
+      auto it = pending_.find(h.req_id);
+      if (it == pending_.end() || it->second.conn != conn.id()) return {};  // dropped
+      auto t = transfers_.find(it->second.transfer);
+      if (t == transfers_.end() || t->second->finished) return {};
+      t->second->handles.assign(h.len, std::byte{0});
+      t->second->handles_whole = false;
+      tcp::Connection::Sink sink;
+      sink.dest = t->second->handles.data();
+      sink.tag = t->second->id;
+      return sink;
+    }
     case tcp::FrameType::claimed: {
       CmaTransfer* t = transfer_of(h.req_id);
       if (t == nullptr) return {};
@@ -382,6 +406,12 @@ tcp::Connection::Sink CmaTransport::client_frame(tcp::Connection& conn, const tc
       t->grant = grant;
       t->secret = h.token;
       t->claimed = true;
+#ifdef FERRY_WITH_CUDA
+      if (ipc()) {
+        ipc_claimed(*t);
+        return {};
+      }
+#endif
       if (t->total == 0)
         all_copied(*t);
       else
@@ -444,10 +474,16 @@ void CmaTransport::finish_transfer(CmaTransfer& t, std::optional<Error> error, b
   t.finished = true;
   // No copy of this transfer runs after this: the local memory is the caller's again.
   t.copy->halt();
+#ifdef FERRY_WITH_CUDA
+  if (ipc()) cancel_copies(t);
+#endif
   if (t.ended_by_owner && t.link && t.link->conn != nullptr) t.link->conn->expect_answers(-1);
   erase_pending(t.claim_req);
   erase_pending(t.done_req);
-  if (t.link && t.link->conn != nullptr) t.link->conn->release(t.id);
+  if (t.link && t.link->conn != nullptr) {
+    t.link->conn->release(t.id);
+    t.link->conn->drop_sink(t.id);  // HANDLES being received into the transfer
+  }
   report_later(defer_, life_, transfers_, t.id, std::move(error), setup);
 }
 

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -21,6 +22,10 @@ namespace ferry::transport::cma {
 /// Most bytes of (addr, len) pairs one CLAIM carries: two ranges per descriptor of the
 /// longest lists metadata allows, and some.
 inline constexpr std::uint64_t kMaxClaimBytes = 4u << 20;
+/// The tag of exposure `id`'s HANDLES frame (operation ids never have bit 63).
+constexpr std::uint64_t handles_tag(std::uint64_t id) noexcept { return id | (1ull << 63); }
+/// Most bytes of IPC handles one HANDLES frame carries (cuda_ipc.hpp: kMaxIpcRanges of 80).
+inline constexpr std::uint64_t kMaxHandleBytes = 80u << 16;
 
 /// What a cma endpoint's `info` says about its owner (JSON, see docs/protocol.md).
 struct OwnerInfo {
@@ -39,6 +44,8 @@ std::string scope_mismatch(const ProcessScope& owner);
 /// Parses "@name" into an abstract Unix socket address; false if malformed.
 bool socket_address(const std::string& address, sockaddr_un& out, socklen_t& len);
 
+class IpcImports;
+
 /// A client's connection to one owner, with what it learned of the owner's process. Copy jobs
 /// hold it too, so that its pidfd and grant view outlive every job that uses them.
 struct PeerLink {
@@ -46,8 +53,9 @@ struct PeerLink {
   std::int64_t pid = 0;
   int pidfd = -1;  // the owner process, once proven to be it; -1 where pidfds do not exist
   std::unique_ptr<GrantView> grants;
-  tcp::Connection* conn = nullptr;  // loop thread only; null once closed
-  std::string refused;              // a copy was refused (EPERM): later transfers fall back
+  tcp::Connection* conn = nullptr;      // loop thread only; null once closed
+  std::string refused;                  // a copy was refused (EPERM): later transfers fall back
+  std::shared_ptr<IpcImports> imports;  // cuda_ipc: the owner's memory opened here
   PeerLink() = default;
   PeerLink(const PeerLink&) = delete;
   PeerLink& operator=(const PeerLink&) = delete;
@@ -130,6 +138,10 @@ class CmaTransfer final : public Transfer {
   bool notified = false;
   std::uint64_t claim_req = 0;
   std::uint64_t done_req = 0;
+  // cuda_ipc.
+  std::vector<std::byte> handles;  ///< the owner's HANDLES payload, once received
+  bool handles_whole = false;
+  std::map<std::uint64_t, std::uint64_t> copies;  ///< GPU copies under way: id -> bytes
 };
 
 using tcp::code_from_wire;

@@ -35,7 +35,12 @@ bool CmaTransport::close_grant(const Claimed& claim) {
 }
 
 tcp::Connection* CmaTransport::end_claim(std::uint64_t conn_id, std::uint64_t id) {
+  tcp::Connection* conn = conn_id == 0 ? nullptr : find_conn(conn_id);
   if (auto it = claimed_.find(id); it != claimed_.end()) {
+    // Its HANDLES frame, if still queued, must not read the payload about to go.
+    if (tcp::Connection* c = find_conn(it->second.conn);
+        c != nullptr && !it->second.handles.empty())
+      c->release(handles_tag(id));
     // cancel()'s promise: once this returns, no copy of the peer touches the memory. Copy jobs
     // last a chunk; a peer that outlives peer_timeout holding the grant is reported.
     if (!close_grant(it->second))
@@ -46,7 +51,6 @@ tcp::Connection* CmaTransport::end_claim(std::uint64_t conn_id, std::uint64_t id
                    static_cast<long long>(options_.peer_timeout.count()));
     claimed_.erase(it);
   }
-  tcp::Connection* conn = conn_id == 0 ? nullptr : find_conn(conn_id);
   if (conn != nullptr) conn->expect_answers(-1);  // the claim no longer waits for this peer
   return conn;
 }
@@ -113,6 +117,15 @@ void CmaTransport::serve_claim(tcp::Connection& conn, const tcp::FrameHeader& h)
     reply_status(conn, h.req_id, ErrorCode::AccessDenied, "the operation is claimed already");
     return;
   }
+  std::vector<std::byte> handles;
+  if (ipc()) {
+    try {
+      handles = handles_of(entry->exposure);
+    } catch (const Error& e) {
+      reply_status(conn, h.req_id, e.code(), e.message());
+      return;
+    }
+  }
   auto grant = grants_.open();
   if (!grant) {
     reply_status(
@@ -127,10 +140,20 @@ void CmaTransport::serve_claim(tcp::Connection& conn, const tcp::FrameHeader& h)
     reply_status(conn, h.req_id, ErrorCode::AccessDenied, "the operation is claimed already");
     return;
   }
-  claimed_[h.op_id] = Claimed{conn.id(), *grant, std::move(ranges)};
+  Claimed& claimed = claimed_[h.op_id] =
+      Claimed{conn.id(), *grant, std::move(ranges), std::move(handles)};
   // While it holds the claim, the connection waits for its peer: a peer that goes silent
   // (its keepalives stop) is dropped after peer_timeout and the operation errors.
   conn.expect_answers(+1);
+  if (!claimed.handles.empty()) {
+    // cuda_ipc: the handles of the memory first, to the claimant alone.
+    tcp::FrameHeader hh;
+    hh.type = tcp::FrameType::handles;
+    hh.req_id = h.req_id;
+    hh.op_id = h.op_id;
+    hh.len = claimed.handles.size();
+    conn.send(hh, {}, claimed.handles.data(), handles_tag(h.op_id));
+  }
   tcp::FrameHeader reply;
   reply.type = tcp::FrameType::claimed;
   reply.req_id = h.req_id;

@@ -9,6 +9,9 @@
 #include "loop/ids.hpp"
 #include "transport/cma/cma_internal.hpp"
 #include "transport/exposure_table.hpp"
+#ifdef FERRY_WITH_CUDA
+#include "transport/cuda/copy_engine.hpp"
+#endif
 
 namespace ferry::transport::cma {
 
@@ -81,21 +84,25 @@ CmaTransport::CmaTransport(uv_loop_t* loop, Defer defer, Options options)
       options_(std::move(options)),
       grants_(options_.grant_slots),
       exposures_("cma", std::move(defer)) {
-  caps_.method = "cma";
-  caps_.rank = 200;
-  caps_.memory_kinds = bit(MemoryKind::host);
+  caps_.method = ipc() ? "cuda_ipc" : "cma";
+  // cuda_ipc first: a copy by the GPU between two device memories beats any other way.
+  caps_.rank = ipc() ? 400 : 200;
+  caps_.memory_kinds = bit(ipc() ? MemoryKind::cuda : MemoryKind::host);
   caps_.same_host_only = true;
   caps_.passive_cpu_free = true;
   if (options_.chunk_size == 0 || options_.parallel == 0)
     throw Error(ErrorCode::InvalidArgument, "cma.chunk_size and cma.parallel must be positive");
   if (auto why = unavailable_reason(options_.ptracer_any); !why.empty())
-    throw Error(ErrorCode::Unsupported, "cma: " + why);
+    throw Error(ErrorCode::Unsupported, caps_.method + ": " + why);
+#ifndef FERRY_WITH_CUDA
+  if (ipc()) throw Error(ErrorCode::Unsupported, "cuda_ipc: this ferry was built without CUDA");
+#endif
   if (options_.ptracer_any && yama_ptrace_scope() == 1)
     if (auto why = allow_any_ptracer(); !why.empty())
       throw Error(ErrorCode::Unsupported, "cma: " + why);
 
   probe_ = std::make_unique<Token>(random_token());
-  address_ = "@ferry-cma-" + loop::hex16(loop::random_u64());
+  address_ = (ipc() ? "@ferry-cudaipc-" : "@ferry-cma-") + loop::hex16(loop::random_u64());
   sockaddr_un addr{};
   socklen_t len = 0;
   socket_address(address_, addr, len);
@@ -138,6 +145,9 @@ std::string CmaTransport::unreachable(const Endpoint& endpoint) const {
   } catch (const Error& e) {
     return e.message();
   }
+  // The driver refuses to open a process's own IPC handles.
+  if (ipc() && info.scope.pid == ::getpid())
+    return "the peer is this process (CUDA IPC opens only another process's memory)";
   return scope_mismatch(info.scope);
 }
 
@@ -160,10 +170,16 @@ void CmaTransport::close() {
   }
   for (auto& [id, t] : transfers_) {
     t->copy->halt();
+#ifdef FERRY_WITH_CUDA
+    if (ipc()) cancel_copies(*t);
+#endif
     t->finished = true;
     t->owner = nullptr;
   }
   transfers_.clear();
+#ifdef FERRY_WITH_CUDA
+  engine_.reset();
+#endif
   pending_.clear();
   // Peers may still copy under grants of exposures never revoked; the memory is the owner's
   // to keep until they are done (revoke() waits for that; here only as long as peer_timeout).
@@ -180,10 +196,24 @@ void CmaTransport::close() {
 }
 
 std::shared_ptr<const Registration> CmaTransport::register_memory(const Region& region) {
-  if (region.kind != MemoryKind::host)
+  if (ipc()) {
+    if (region.kind != MemoryKind::cuda)
+      throw Error(ErrorCode::Unsupported, "cuda_ipc moves CUDA memory only");
+    // Memory without a CUDA IPC handle is refused here, so the operation is not offered by
+    // this method (another one moves it).
+    (void)handles_of(Exposure{0, {}, Access::read, {region}});
+  } else if (region.kind != MemoryKind::host) {
     throw Error(ErrorCode::Unsupported, "cma moves host memory only");
+  }
   return registrations_.acquire(region);
 }
+
+#ifndef FERRY_WITH_CUDA
+// Without CUDA there is no cuda_ipc mode (the constructor refuses it).
+std::vector<std::byte> CmaTransport::handles_of(const Exposure&) const {
+  throw Error(ErrorCode::Unsupported, "cuda_ipc: this ferry was built without CUDA");
+}
+#endif
 
 // ---------------------------------------------------------------------------------------
 // Listener and connections
@@ -272,8 +302,17 @@ tcp::Connection::Sink CmaTransport::on_frame(tcp::Connection& conn, const tcp::F
 
 void CmaTransport::on_payload(tcp::Connection& conn, const tcp::FrameHeader& h, std::uint64_t,
                               bool intact) {
-  // Only a CLAIM carries a payload toward us: its ranges.
-  if (conn.role() == tcp::Connection::Role::server && intact) serve_claim(conn, h);
+  // Toward a server only a CLAIM carries a payload (its ranges); toward a client only the
+  // HANDLES of cuda_ipc.
+  if (conn.role() == tcp::Connection::Role::server) {
+    if (intact) serve_claim(conn, h);
+    return;
+  }
+  if (!intact || h.type != tcp::FrameType::handles) return;
+  auto it = pending_.find(h.req_id);
+  if (it == pending_.end() || it->second.conn != conn.id()) return;
+  if (auto t = transfers_.find(it->second.transfer); t != transfers_.end())
+    t->second->handles_whole = true;
 }
 
 void CmaTransport::on_closed(tcp::Connection& conn, const std::string& reason) {

@@ -16,6 +16,11 @@
 #include "transport/tcp/connection.hpp"
 #include "transport/transport.hpp"
 
+namespace ferry::transport::cuda {
+struct CudaApi;
+class CopyEngine;
+}  // namespace ferry::transport::cuda
+
 namespace ferry::transport::cma {
 
 class CmaTransfer;
@@ -27,6 +32,13 @@ struct OwnerInfo;
 /// under a grant from the owner (grant_table.hpp). A control connection over an abstract Unix
 /// socket carries the claim (token and ranges checked by the owner), the grant's slot, the
 /// claim secret, and the DONE that tells the owner the bytes are in place (docs/protocol.md).
+///
+/// With Options::cuda_ipc set, the same machinery is the cuda_ipc method: it moves CUDA memory
+/// (only) between two processes of one host. The owner sends the CUDA IPC handles of the
+/// claimed memory's allocations with its grant (HANDLES), and the active side copies with the
+/// GPU (cuda/copy_engine.hpp) between its own device memory and the owner's, opened once per
+/// owner and allocation (cuda_ipc.hpp), each chunk's copy under the grant from its start until
+/// the driver reports its end.
 class CmaTransport final : public Transport, private tcp::Connection::Handler {
  public:
   struct Options {
@@ -38,6 +50,8 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
     std::string local_name;
     std::uint64_t local_id = 0;
     std::uint32_t grant_slots = 16384;  ///< operations claimed at once, at most
+    /// The CUDA driver: this transport is the cuda_ipc method (FERRY_WITH_CUDA builds only).
+    const cuda::CudaApi* cuda_ipc = nullptr;
   };
   using Defer = std::function<void(std::function<void()>)>;
 
@@ -69,6 +83,7 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
     std::uint64_t conn = 0;
     Grant grant;
     std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  // (addr, len) granted
+    std::vector<std::byte> handles;  // cuda_ipc: the HANDLES payload, while it may be queued
   };
   struct Accepted {
     std::int64_t pid = 0;  // from SO_PEERCRED
@@ -128,6 +143,17 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   void forget_transfer(CmaTransfer& t);
   void keepalive();
 
+  // cuda_ipc (cuda_ipc.cpp).
+  bool ipc() const noexcept { return options_.cuda_ipc != nullptr; }
+  /// The HANDLES payload for exposure `entry`'s memory; throws Error(Unsupported).
+  std::vector<std::byte> handles_of(const Exposure& exposure) const;
+  /// The claim was granted: opens the owner's handles, then copies.
+  void ipc_claimed(CmaTransfer& t);
+  void pump_ipc(CmaTransfer& t);
+  void ipc_copied(std::uint64_t transfer, std::uint64_t copy, const std::optional<Error>& error);
+  /// Stops the transfer's GPU copies (waits for those under way) and gives their grants back.
+  void cancel_copies(CmaTransfer& t);
+
   void add_pending(std::uint64_t req, const Pending& p);
   void erase_pending(std::uint64_t req);
   tcp::Connection* find_conn(std::uint64_t id);
@@ -169,6 +195,8 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
 
   std::unordered_map<std::uint64_t, CmaTransfer*> transfers_;
   std::unordered_map<std::uint64_t, Pending> pending_;
+
+  std::unique_ptr<cuda::CopyEngine> engine_;  ///< cuda_ipc: made on the first copy
 
   std::shared_ptr<int> life_ = std::make_shared<int>(0);
 };

@@ -73,6 +73,7 @@ std::string malformed(const FrameHeader& h) {
     case FrameType::done:
     case FrameType::claimed:
     case FrameType::claim:
+    case FrameType::handles:
       break;
     default:
       return "unknown frame type " + std::to_string(static_cast<int>(h.type));

@@ -23,6 +23,9 @@ enum class FrameType : std::uint8_t {
   claimed =
       7,      ///< server: operation `op_id` is now this connection's; `token` is the claim's secret
   claim = 8,  ///< cma client: claims `op_id` for the ranges in its payload (cma only)
+  /// cuda_ipc server: the IPC handles of claim `req_id`'s memory in its payload, ahead of
+  /// CLAIMED (cuda_ipc only)
+  handles = 9,
 };
 
 inline constexpr std::uint32_t kMagic = 0x59525246;  // "FRRY" on the wire
@@ -63,7 +66,8 @@ inline ErrorCode code_from_wire(std::uint32_t status) {
 
 /// Whether a frame of this type carries `len` bytes of payload after its message.
 constexpr bool has_payload(FrameType type) noexcept {
-  return type == FrameType::data || type == FrameType::write || type == FrameType::claim;
+  return type == FrameType::data || type == FrameType::write || type == FrameType::claim ||
+         type == FrameType::handles;
 }
 
 }  // namespace ferry::transport::tcp

@@ -40,8 +40,10 @@ struct MethodInfo {
   /// it needs of a peer when it is.
   std::string detail;
   /// Whether it moves CUDA memory (descriptors on cuda:N) in this build, where the CUDA
-  /// driver is usable; host memory is moved by every method.
+  /// driver is usable.
   bool moves_cuda = false;
+  /// Whether it moves host memory: every method but cuda_ipc does.
+  bool moves_host = true;
 };
 
 /// The methods this build knows, best first, and whether a connector made with `options`

@@ -215,7 +215,7 @@ TEST(Malformed, CatchesUnknownVersion) {
 }
 
 TEST(Malformed, CatchesUnknownType) {
-  for (int type : {0, 9, 10, 0x7f, 0xff}) {
+  for (int type : {0, 10, 11, 0x7f, 0xff}) {
     FrameHeader h;
     h.type = static_cast<FrameType>(type);
     const std::string what = malformed(h);
