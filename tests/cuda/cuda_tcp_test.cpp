@@ -4,6 +4,7 @@
 // mid-transfer, deadlines, and the staging pool idle after all of it.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <uv.h>
 
 #include <ferry/ferry.hpp>
 
@@ -401,6 +402,42 @@ TEST_F(CudaTcp, ManyTransfersAtOnceShareThePool) {
   for (auto& r : readables) ASSERT_TRUE(r.wait_for_completion(kWait));
   for (int i = 0; i < 6; ++i)
     EXPECT_EQ(dsts[static_cast<std::size_t>(i)]->mismatch(100 + static_cast<std::uint64_t>(i)), -1);
+}
+
+TEST_F(CudaTcp, ACopyThatFailsOnTheDeviceStreamReportsAnError) {
+  // The copy's destination is freed while the copy ahead of it runs: the driver fails it on
+  // the stream, and its completion must say so (tcp then fails the transfer) instead of
+  // reporting bytes that never arrived. The simulated driver's failure is sticky: the copy
+  // queued behind it is skipped, and must not report success either.
+  uv_loop_t loop{};
+  ASSERT_EQ(uv_loop_init(&loop), 0);
+  {
+    const std::size_t size = 1 << 20;
+    std::vector<std::byte> source = test::patterned(size, 5);
+    Memory first(0, size);
+    auto gone = std::make_unique<Memory>(0, size);
+    cuda::CopyEngine engine(&loop, api());
+    std::vector<std::optional<Error>> results(3);
+    std::size_t reported = 0;
+    auto done = [&](std::size_t i) {
+      return [&, i](const std::optional<Error>& e) {
+        results[i] = e;
+        ++reported;
+      };
+    };
+    engine.copy(0, first.data(), source.data(), size, done(0));
+    engine.copy(0, gone->data(), source.data(), size, done(1));
+    gone.reset();
+    engine.copy(0, first.data(), source.data(), size, done(2));
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (reported < 3 && std::chrono::steady_clock::now() < until) uv_run(&loop, UV_RUN_NOWAIT);
+    ASSERT_EQ(reported, 3u);
+    ASSERT_TRUE(results[1]) << "a failed copy reported success";
+    EXPECT_EQ(results[1]->code(), ErrorCode::Internal);
+    EXPECT_TRUE(results[2]) << "a copy the driver skipped reported success";
+  }
+  uv_run(&loop, UV_RUN_NOWAIT);  // the engine's handle closes
+  EXPECT_EQ(uv_loop_close(&loop), 0);
 }
 
 TEST_F(CudaTcp, AnotherProcessReadsAndWritesOurDeviceMemory) {

@@ -124,6 +124,23 @@ void CopyEngine::on_async(uv_async_t* handle) {
   static_cast<CopyEngine*>(handle->data)->deliver();
 }
 
+std::optional<Error> CopyEngine::stream_error(int ordinal) {
+  // The host function runs even when a copy before it failed: the failure is the stream's
+  // (sticky), and shows in a query. One queued later may have failed too; the copy then
+  // counts as failed as well, since the stream is unusable either way.
+  Device& d = devices_.at(ordinal);
+  CUresult r = CUDA_SUCCESS;
+  try {
+    ScopedContext scope(api_, d.context);
+    r = api_.stream_query(d.stream);
+  } catch (const Error& e) {
+    return e;
+  }
+  if (r == CUDA_SUCCESS || r == CUDA_ERROR_NOT_READY) return std::nullopt;
+  return Error(ErrorCode::Internal,
+               "a copy on cuda:" + std::to_string(ordinal) + " failed: " + result_text(&api_, r));
+}
+
 void CopyEngine::deliver() {
   std::vector<std::uint64_t> finished;
   {
@@ -133,10 +150,12 @@ void CopyEngine::deliver() {
   for (std::uint64_t id : finished) {
     auto it = pending_.find(id);
     if (it == pending_.end()) continue;  // cancelled
+    const int ordinal = it->second.ordinal;
     Done done = std::move(it->second.done);
     pending_.erase(it);
     if (pending_.empty()) hold(false);
-    loop::guarded("a CUDA copy's completion", [&] { done(std::nullopt); });
+    std::optional<Error> error = stream_error(ordinal);
+    loop::guarded("a CUDA copy's completion", [&] { done(error); });
   }
 }
 

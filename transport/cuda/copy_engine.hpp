@@ -44,7 +44,8 @@ class ScopedContext {
 /// Loop thread only (the host functions alone run on the driver's thread).
 class CopyEngine {
  public:
-  /// The copy's end: no error when its bytes are in place.
+  /// The copy's end: no error when its bytes are in place; an error when the copy (or one
+  /// queued on the same stream, whose failures are sticky) failed.
   using Done = std::function<void(const std::optional<Error>& error)>;
 
   CopyEngine(uv_loop_t* loop, const CudaApi& api);
@@ -94,6 +95,8 @@ class CopyEngine {
   static void CUDA_CB host_function(void* data);
   static void on_async(uv_async_t* handle);
   void deliver();
+  /// The error of device `ordinal`'s stream once a copy on it reported, if it failed.
+  std::optional<Error> stream_error(int ordinal);
 
   const CudaApi& api_;
   std::map<int, Device> devices_;

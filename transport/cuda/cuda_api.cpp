@@ -83,6 +83,7 @@ void load(Loaded& l) {
   FERRY_BIND(stream_create, cuStreamCreate);
   FERRY_BIND(stream_destroy, cuStreamDestroy);
   FERRY_BIND(stream_synchronize, cuStreamSynchronize);
+  FERRY_BIND(stream_query, cuStreamQuery);
   FERRY_BIND(launch_host_func, cuLaunchHostFunc);
   FERRY_BIND(ipc_get_mem_handle, cuIpcGetMemHandle);
   FERRY_BIND(ipc_open_mem_handle, cuIpcOpenMemHandle);

@@ -55,6 +55,7 @@ struct CudaApi {
   CUresult (*stream_create)(CUstream* stream, unsigned int flags) = nullptr;
   CUresult (*stream_destroy)(CUstream stream) = nullptr;
   CUresult (*stream_synchronize)(CUstream stream) = nullptr;
+  CUresult (*stream_query)(CUstream stream) = nullptr;
   CUresult (*launch_host_func)(CUstream stream, CUhostFn fn, void* user_data) = nullptr;
 
   // Legacy IPC (memory from cuMemAlloc).

@@ -22,7 +22,7 @@
 // - Streams: a worker thread per stream runs its operations in order; stream 0 (and the legacy
 //   and per-thread handles) runs them on the caller. Async addresses are checked when the copy
 //   runs; a failure is sticky: the stream's later copies and memsets are skipped, its host
-//   functions still run, and every later cuStreamSynchronize returns the error.
+//   functions still run, and every later cuStreamSynchronize and cuStreamQuery returns the error.
 //   cuStreamDestroy returns once the queued work has run.
 // - Legacy IPC: a handle names the exporter's pid, memfd number and the memfd's inode; the
 //   importer opens /proc/<pid>/fd/<fd> and refuses (CUDA_ERROR_INVALID_HANDLE) a file that is
@@ -770,6 +770,19 @@ FAKE_API CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
   std::unique_lock lock(stream->mu);
   stream->cv.wait(lock, [&] { return stream->queue.empty() && !stream->busy; });
   return stream->error;
+}
+
+// The stream's sticky error, else whether its queued work has all run.
+FAKE_API CUresult CUDAAPI cuStreamQuery(CUstream stream) {
+  if (is_null_stream(stream)) return need_context();  // its work ran on the callers
+  if (CUresult r = ready(); r != CUDA_SUCCESS) return r;
+  {
+    std::lock_guard lock(st().mu);
+    if (st().streams.count(stream) == 0) return CUDA_ERROR_INVALID_HANDLE;
+  }
+  std::lock_guard lock(stream->mu);
+  if (stream->error != CUDA_SUCCESS) return stream->error;
+  return stream->queue.empty() && !stream->busy ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 FAKE_API CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
