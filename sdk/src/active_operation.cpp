@@ -40,8 +40,7 @@ bool ActiveOperation::try_next() {
     const std::string method = transport->capabilities().method;
     try {
       std::vector<std::shared_ptr<const transport::Registration>> regs;
-      for (const Descriptor& d : local)
-        regs.push_back(transport->register_memory({d.bytes(), d.size()}));
+      for (const Descriptor& d : local) regs.push_back(transport->register_memory(region_of(d)));
       set_method(method);
       registrations_ = std::move(regs);
       transfer_ = transport->start(std::move(spec), *this);

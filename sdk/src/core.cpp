@@ -51,6 +51,12 @@ void check_cuda(const Descriptor& d, std::size_t i) {
 
 }  // namespace
 
+transport::Region region_of(const Descriptor& d) {
+  const bool cuda = d.device().kind() == DeviceKind::cuda;
+  return {d.bytes(), d.size(), cuda ? transport::MemoryKind::cuda : transport::MemoryKind::host,
+          cuda ? d.device().id() : -1};
+}
+
 std::uint8_t memory_kinds_of(const std::vector<Descriptor>& local) {
   std::uint8_t kinds = 0;
   for (const Descriptor& d : local)

@@ -115,6 +115,8 @@ void check_remote(const RdmaMetadata& remote, OperationKind wanted,
 /// Throws InvalidArgument for an empty or too long list or an overflowing total, Unsupported
 /// for memory this build cannot move.
 void check_local(const std::vector<Descriptor>& local);
+/// The memory a descriptor names, as the transports take it (kind and device).
+transport::Region region_of(const Descriptor& d);
 /// The memory kinds of `local`, as a set of transport::bit(MemoryKind).
 std::uint8_t memory_kinds_of(const std::vector<Descriptor>& local);
 

@@ -26,10 +26,7 @@ void PassiveOperation::expose(const transport::Token& token) {
   m.token = transport::token_to_hex(token);
   for (const Descriptor& d : local) {
     m.descriptors.push_back({reinterpret_cast<std::uint64_t>(d.ptr()), d.size(), d.device()});
-    const bool on_cuda = d.device().kind() == DeviceKind::cuda;
-    exposure.regions.push_back({d.bytes(), d.size(),
-                                on_cuda ? transport::MemoryKind::cuda : transport::MemoryKind::host,
-                                on_cuda ? d.device().id() : -1});
+    exposure.regions.push_back(region_of(d));
   }
   // Offered only by the methods that move every kind of this memory.
   const std::uint8_t kinds = memory_kinds_of(local);

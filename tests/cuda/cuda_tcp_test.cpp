@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tests/cuda/device_memory.hpp"
 #include "tests/support/child_process.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
@@ -25,6 +26,8 @@ namespace ferry {
 namespace {
 
 namespace cuda = transport::cuda;
+using test::api;
+using test::Memory;
 using namespace std::chrono_literals;
 using test::ended_with;
 using test::eventually;
@@ -36,95 +39,6 @@ const bool kFakeDriver = [] {
   return ::setenv("FERRY_CUDA_DRIVER", FERRY_FAKE_CUDA_PATH, 0) == 0 &&
          ::setenv("FERRY_FAKE_CUDA_COPY_US", "200", 0) == 0;
 }();
-
-const cuda::CudaApi& api() {
-  static const cuda::CudaApi* a = cuda::system_cuda();
-  return *a;
-}
-
-/// `size` bytes of host memory (ordinal -1) or of device `ordinal`, filled and checked
-/// through the driver's synchronous copies.
-class Memory {
- public:
-  Memory(int ordinal, std::size_t size) : ordinal_(ordinal), size_(size) {
-    if (ordinal_ < 0) {
-      host_ = test::buffer(size_);
-      return;
-    }
-    EXPECT_EQ(api().device_get(&dev_, ordinal_), CUDA_SUCCESS);
-    EXPECT_EQ(api().device_primary_ctx_retain(&ctx_, dev_), CUDA_SUCCESS);
-    cuda::ScopedContext scope(api(), ctx_);
-    EXPECT_EQ(api().mem_alloc(&ptr_, size_), CUDA_SUCCESS);
-    EXPECT_EQ(api().memset_d8(ptr_, 0, size_), CUDA_SUCCESS);
-  }
-  ~Memory() {
-    if (ordinal_ < 0) return;
-    {
-      cuda::ScopedContext scope(api(), ctx_);
-      (void)api().mem_free(ptr_);
-    }
-    (void)api().device_primary_ctx_release(dev_);
-  }
-  Memory(const Memory&) = delete;
-  Memory& operator=(const Memory&) = delete;
-
-  std::byte* data() const {
-    return ordinal_ < 0 ? const_cast<std::byte*>(host_.data()) : reinterpret_cast<std::byte*>(ptr_);
-  }
-  std::size_t size() const { return size_; }
-  Descriptor descriptor() const {
-    return ordinal_ < 0 ? Descriptor(data(), size_)
-                        : Descriptor(data(), size_, Device::cuda(ordinal_));
-  }
-  void fill(std::uint64_t seed, std::uint64_t offset = 0) {
-    if (ordinal_ < 0) {
-      test::fill_pattern(host_.data(), size_, seed, offset);
-      return;
-    }
-    std::vector<std::byte> h = test::buffer(size_);
-    test::fill_pattern(h.data(), size_, seed, offset);
-    put(h);
-  }
-  void set(std::byte value) {
-    std::vector<std::byte> h(size_, value);
-    if (ordinal_ < 0)
-      host_ = h;
-    else
-      put(h);
-  }
-  std::vector<std::byte> contents() const {
-    if (ordinal_ < 0) return host_;
-    std::vector<std::byte> h = test::buffer(size_);
-    cuda::ScopedContext scope(api(), ctx_);
-    EXPECT_EQ(api().memcpy(address(h.data()), ptr_, size_), CUDA_SUCCESS);
-    return h;
-  }
-  long long mismatch(std::uint64_t seed, std::uint64_t offset = 0) const {
-    std::vector<std::byte> h = contents();
-    return test::first_mismatch(h.data(), size_, seed, offset);
-  }
-  bool all(std::byte value) const {
-    for (std::byte b : contents())
-      if (b != value) return false;
-    return true;
-  }
-
- private:
-  static CUdeviceptr address(const void* p) {
-    return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p));
-  }
-  void put(const std::vector<std::byte>& h) {
-    cuda::ScopedContext scope(api(), ctx_);
-    EXPECT_EQ(api().memcpy(ptr_, address(h.data()), size_), CUDA_SUCCESS);
-  }
-
-  int ordinal_;
-  std::size_t size_;
-  std::vector<std::byte> host_;
-  CUdevice dev_ = 0;
-  CUcontext ctx_ = nullptr;
-  CUdeviceptr ptr_ = 0;
-};
 
 std::string where(int ordinal) { return ordinal < 0 ? "host" : "cuda" + std::to_string(ordinal); }
 

@@ -83,7 +83,7 @@ CmaTransport::CmaTransport(uv_loop_t* loop, Defer defer, Options options)
       defer_(defer),
       options_(std::move(options)),
       grants_(options_.grant_slots),
-      exposures_("cma", std::move(defer)) {
+      exposures_(options_.cuda_ipc != nullptr ? "cuda_ipc" : "cma", std::move(defer)) {
   caps_.method = ipc() ? "cuda_ipc" : "cma";
   // cuda_ipc first: a copy by the GPU between two device memories beats any other way.
   caps_.rank = ipc() ? 400 : 200;

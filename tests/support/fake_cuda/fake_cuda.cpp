@@ -190,6 +190,7 @@ struct State {
   CUmemGenericAllocationHandle next_handle = 0x1000;
   CUctx_st ctxs[kMaxDevices];
   std::atomic<unsigned long long> counters[4] = {};  // h2d, d2h, d2d bytes; copies
+  std::atomic<unsigned long long> ipc_counts[2] = {};  // handles opened, closed
 };
 
 // Never destroyed: stream threads and late callers may outlive static destructors.
@@ -838,6 +839,7 @@ FAKE_API CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr* ptr, CUipcMemHandle ha
       if (m.kind == Kind::ipc && m.ipc_pid == w.pid && m.backing->ino == w.ino &&
           m.backing->dev == w.dev) {
         ++m.ipc_refs;
+        ++s.ipc_counts[0];
         *ptr = start;
         return CUDA_SUCCESS;
       }
@@ -865,6 +867,7 @@ FAKE_API CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr* ptr, CUipcMemHandle ha
   m.ipc_refs = 1;
   m.ipc_pid = w.pid;
   s.mappings.emplace(at, std::move(m));
+  ++s.ipc_counts[0];
   *ptr = at;
   return CUDA_SUCCESS;
 }
@@ -876,6 +879,7 @@ FAKE_API CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr ptr) {
   std::lock_guard lock(s.mu);
   auto it = s.mappings.find(ptr);
   if (it == s.mappings.end() || it->second.kind != Kind::ipc) return CUDA_ERROR_INVALID_VALUE;
+  ++s.ipc_counts[1];
   if (--it->second.ipc_refs > 0) return CUDA_SUCCESS;
   last = std::move(it->second.backing);
   s.mappings.erase(it);
@@ -1105,4 +1109,9 @@ FAKE_API CUresult CUDAAPI cuMemGetHandleForAddressRange(void* handle, CUdevicept
 /// the number of copies (host to host ones too).
 FAKE_API void ferry_fake_cuda_counters(unsigned long long out[4]) {
   for (int i = 0; i < 4; ++i) out[i] = st().counters[i].load();
+}
+
+/// This process's legacy IPC handles opened and closed (cuIpcOpenMemHandle, cuIpcCloseMemHandle).
+FAKE_API void ferry_fake_cuda_ipc_counts(unsigned long long out[2]) {
+  for (int i = 0; i < 2; ++i) out[i] = st().ipc_counts[i].load();
 }

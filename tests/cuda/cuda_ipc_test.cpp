@@ -1,0 +1,298 @@
+// cuda_ipc moves CUDA memory between two processes of one host with the GPU, through the CUDA
+// IPC handles of the owner's allocations (here those of the simulated driver, whose device
+// memory the CPU cannot touch). The other process is this test binary again, running
+// CudaIpcChild.DISABLED_Serve, which takes commands on stdin and answers on stdout.
+#include <dlfcn.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ferry/ferry.hpp>
+
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/cuda/device_memory.hpp"
+#include "tests/support/child_process.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using test::api;
+using test::Memory;
+
+constexpr auto kWait = std::chrono::seconds(60);
+
+// Before main: ctest sets both too; this is for running the binary by hand.
+const bool kFakeDriver = [] {
+  return ::setenv("FERRY_CUDA_DRIVER", FERRY_FAKE_CUDA_PATH, 0) == 0 &&
+         ::setenv("FERRY_FAKE_CUDA_COPY_US", "200", 0) == 0;
+}();
+
+ConnectorOptions ipc_only(const std::string& name) {
+  ConnectorOptions o = test::named(name);
+  o.transports = {"cuda_ipc"};
+  return o;
+}
+
+/// Why cuda_ipc is not offered here, or empty.
+std::string ipc_missing() {
+  for (const MethodInfo& m : probe_methods(ipc_only("probe")))
+    if (m.method == "cuda_ipc") return m.available ? std::string() : m.detail;
+  return "cuda_ipc is not built into this ferry";
+}
+
+/// This process's IPC handles opened and closed, as the simulated driver counts them.
+std::pair<unsigned long long, unsigned long long> ipc_counts() {
+  void* lib = ::dlopen(FERRY_FAKE_CUDA_PATH, RTLD_NOW | RTLD_NOLOAD);
+  auto fn = reinterpret_cast<void (*)(unsigned long long*)>(
+      lib != nullptr ? ::dlsym(lib, "ferry_fake_cuda_ipc_counts") : nullptr);
+  unsigned long long out[2] = {0, 0};
+  if (fn != nullptr) fn(out);
+  if (lib != nullptr) ::dlclose(lib);
+  return {out[0], out[1]};
+}
+
+std::uint64_t operations_by(const Connector& c, const std::string& method) {
+  for (const MethodStats& m : c.stats().methods)
+    if (m.method == method) return m.complete.operations;
+  return 0;
+}
+
+// ---- The other process ------------------------------------------------------------------
+
+/// Commands, one per line; every answer starts with "IPC " (gtest writes to stdout too):
+///   expose read|write DEVICE SIZE SEED   a readable filled with SEED, or a writable; answers
+///                                        "IPC META <json>", then "IPC END <status> <mismatch>"
+///                                        (first byte not of SEED's pattern, -1: none)
+///   begin read|write DEVICE SEED <json>  the active side on our metadata, same END answer
+///   quit
+TEST(CudaIpcChild, DISABLED_Serve) {
+  Connector us(ipc_only("child"));
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string command, kind;
+    int device = 0;
+    in >> command;
+    if (command == "quit") break;
+    in >> kind >> device;
+    std::string status = "complete";
+    long long mismatch = -1;
+    if (command == "expose") {
+      std::size_t size = 0;
+      std::uint64_t seed = 0;
+      in >> size >> seed;
+      Memory memory(device, size);
+      Operation* op = nullptr;
+      ReadableOperation readable;
+      WritableOperation writable;
+      if (kind == "read") {
+        memory.fill(seed);
+        readable = us.create_readable({memory.descriptor()});
+        op = &readable;
+        std::cout << "IPC META " << readable.metadata().to_json() << std::endl;
+      } else {
+        writable = us.create_writable({memory.descriptor()});
+        op = &writable;
+        std::cout << "IPC META " << writable.metadata().to_json() << std::endl;
+      }
+      try {
+        if (!op->wait_for_completion(kWait)) status = "timeout";
+      } catch (const Error& e) {
+        status = std::string(to_string(e.code()));
+      }
+      if (kind == "write" && status == "complete") mismatch = memory.mismatch(seed);
+    } else {
+      std::uint64_t seed = 0;
+      std::string json;
+      in >> seed;
+      std::getline(in >> std::ws, json);
+      const RdmaMetadata remote = RdmaMetadata::from_json(json);
+      Memory memory(device, remote.total_size());
+      try {
+        if (kind == "read") {
+          auto read = us.begin_read(remote, {memory.descriptor()});
+          if (!read.wait_for_completion(kWait)) status = "timeout";
+          mismatch = memory.mismatch(seed);
+        } else {
+          memory.fill(seed);
+          auto write = us.begin_write({memory.descriptor()}, remote);
+          if (!write.wait_for_completion(kWait)) status = "timeout";
+        }
+      } catch (const Error& e) {
+        status = std::string(to_string(e.code()));
+      }
+    }
+    std::cout << "IPC END " << status << " " << mismatch << std::endl;
+  }
+}
+
+// ---- The tests ---------------------------------------------------------------------------
+
+class CudaIpc : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(kFakeDriver);
+    if (const std::string why = ipc_missing(); !why.empty())
+      GTEST_SKIP() << "cuda_ipc is not offered here: " << why;
+    char exe[PATH_MAX] = {};
+    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+    ASSERT_GT(n, 0);
+    child_ = std::make_unique<test::ChildProcess>(std::vector<std::string>{
+        exe, "--gtest_also_run_disabled_tests", "--gtest_filter=CudaIpcChild.DISABLED_Serve"});
+  }
+  void TearDown() override {
+    if (!child_) return;
+    child_->send_line("quit");
+    const int status = child_->wait();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  }
+  /// The child's next answer, without "IPC ".
+  std::string answer(std::chrono::milliseconds timeout = 60s) {
+    for (;;) {
+      std::string line = child_->read_line(timeout);
+      if (line.rfind("IPC ", 0) == 0) return line.substr(4);
+    }
+  }
+  /// The child exposes SIZE bytes of its device memory; returns the metadata.
+  RdmaMetadata child_exposes(const std::string& kind, int device, std::size_t size,
+                             std::uint64_t seed) {
+    child_->send_line("expose " + kind + " " + std::to_string(device) + " " + std::to_string(size) +
+                      " " + std::to_string(seed));
+    const std::string meta = answer();
+    EXPECT_EQ(meta.rfind("META ", 0), 0u) << meta;
+    return RdmaMetadata::from_json(meta.substr(5));
+  }
+
+  std::unique_ptr<test::ChildProcess> child_;
+};
+
+TEST_F(CudaIpc, TheChildReadsAndWritesOurDeviceMemory) {
+  Connector us(ipc_only("parent"));
+  for (std::size_t size :
+       {std::size_t{1}, std::size_t{4097}, (std::size_t{5} << 20) + 17, std::size_t{64} << 20}) {
+    SCOPED_TRACE("size " + std::to_string(size));
+    Memory source(1, size);
+    source.fill(21);
+    auto readable = us.create_readable({source.descriptor()});
+    child_->send_line("begin read 0 21 " + readable.metadata().to_json());
+    EXPECT_EQ(answer(), "END complete -1");
+    ASSERT_TRUE(readable.wait_for_completion(kWait));
+
+    Memory target(0, size);
+    auto writable = us.create_writable({target.descriptor()});
+    child_->send_line("begin write 1 22 " + writable.metadata().to_json());
+    EXPECT_EQ(answer(), "END complete -1");
+    ASSERT_TRUE(writable.wait_for_completion(kWait));
+    EXPECT_EQ(target.mismatch(22), -1);
+  }
+  EXPECT_EQ(operations_by(us, "cuda_ipc"), 8u);
+}
+
+TEST_F(CudaIpc, WeReadAndWriteTheChildsDeviceMemory) {
+  Connector us(ipc_only("parent"));
+  const std::size_t size = (std::size_t{9} << 20) + 3;
+  RdmaMetadata readable = child_exposes("read", 0, size, 31);
+  Memory into(1, size);
+  auto read = us.begin_read(readable, {into.descriptor()});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  EXPECT_EQ(into.mismatch(31), -1);
+  EXPECT_EQ(answer(), "END complete -1");
+
+  RdmaMetadata writable = child_exposes("write", 1, size, 32);
+  Memory from(0, size);
+  from.fill(32);
+  auto write = us.begin_write({from.descriptor()}, writable);
+  ASSERT_TRUE(write.wait_for_completion(kWait));
+  EXPECT_EQ(answer(), "END complete -1");  // the child found its pattern
+  EXPECT_EQ(operations_by(us, "cuda_ipc"), 2u);
+}
+
+TEST_F(CudaIpc, AnAllocationIsOpenedOnceAndAgainWhenFreedAndMadeAgain) {
+  Connector us(ipc_only("parent"));
+  const std::size_t size = std::size_t{3} << 20;
+  Memory into(0, size);
+  const auto before = ipc_counts();
+  const std::uint64_t seeds[] = {42, 43};
+  RdmaMetadata first = child_exposes("read", 0, size, seeds[0]);
+  const std::uint64_t first_base = first.descriptors[0].ptr;
+  {
+    auto read = us.begin_read(first, {into.descriptor()});
+    ASSERT_TRUE(read.wait_for_completion(kWait));
+    EXPECT_EQ(into.mismatch(seeds[0]), -1);
+    EXPECT_EQ(answer(), "END complete -1");
+  }
+  EXPECT_EQ(ipc_counts().first - before.first, 1u);
+  // The child freed that buffer; its next one of the same size is made at the same address
+  // (the simulated driver reuses addresses first fit, as real allocators do), with other bytes.
+  RdmaMetadata second = child_exposes("read", 0, size, seeds[1]);
+  EXPECT_EQ(second.descriptors[0].ptr, first_base);
+  {
+    auto read = us.begin_read(second, {into.descriptor()});
+    ASSERT_TRUE(read.wait_for_completion(kWait));
+    // Not the old mapping's bytes: the cache saw another allocation behind the address.
+    EXPECT_EQ(into.mismatch(seeds[1]), -1);
+    EXPECT_EQ(answer(), "END complete -1");
+  }
+  const auto after = ipc_counts();
+  EXPECT_EQ(after.first - before.first, 2u);    // opened again
+  EXPECT_EQ(after.second - before.second, 1u);  // the stale mapping closed
+}
+
+TEST_F(CudaIpc, CancelMidTransferEndsBothSidesAndTouchesNothingAfter) {
+  ConnectorOptions slow = ipc_only("parent");
+  slow.cma.chunk_size = 1u << 20;
+  slow.cma.parallel = 1;
+  Connector us(slow);
+  const std::size_t size = std::size_t{256} << 20;
+  RdmaMetadata readable = child_exposes("read", 0, size, 51);
+  Memory into(1, size);
+  into.set(std::byte{0x5a});
+  auto read = us.begin_read(readable, {into.descriptor()});
+  // 256 copies of 1 MiB one after the other, each slowed by the simulated driver: still under
+  // way after 5 ms.
+  std::this_thread::sleep_for(5ms);
+  read.cancel();
+  EXPECT_EQ(read.status(), OperationStatus::cancelled);
+  const std::vector<std::byte> at_cancel = into.contents();
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(into.contents(), at_cancel);  // no copy landed after cancel() returned
+  EXPECT_NE(into.mismatch(51), -1);       // and the transfer did not finish
+  const std::string end = answer();
+  EXPECT_TRUE(end == "END Cancelled -1" || end == "END PeerLost -1") << end;
+}
+
+TEST_F(CudaIpc, NotChosenForHostMemoryNorWithinOneProcess) {
+  ConnectorOptions both = test::named("parent");
+  both.transports = {"cuda_ipc", "tcp"};
+  Connector a(both);
+  both.name = "other";
+  Connector b(both);
+  const std::size_t size = 1u << 20;
+  // Device memory on both sides, but one process: the driver opens no handle of its own.
+  Memory source(0, size);
+  source.fill(61);
+  Memory target(1, size);
+  auto readable = a.create_readable({source.descriptor()});
+  auto read = b.begin_read(readable.metadata(), {target.descriptor()});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  EXPECT_EQ(target.mismatch(61), -1);
+  EXPECT_EQ(operations_by(b, "cuda_ipc"), 0u);
+  EXPECT_EQ(operations_by(b, "tcp"), 1u);
+  // Host memory: cuda_ipc does not offer it.
+  Memory host(-1, size);
+  auto host_readable = a.create_readable({host.descriptor()});
+  for (const Endpoint& e : host_readable.metadata().endpoints) EXPECT_NE(e.method, "cuda_ipc");
+}
+
+}  // namespace
+}  // namespace ferry
