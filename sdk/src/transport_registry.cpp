@@ -51,10 +51,9 @@ std::string cma_unavailable(const ConnectorOptions& o) {
   return transport::cma::CmaTransport::unavailable(cma_ptracer_any(o));
 }
 
-std::unique_ptr<transport::Transport> make_cma(const TransportContext& c, std::string& why) {
+/// The cma transport's options (cuda_ipc, its other mode, takes them too).
+transport::cma::CmaTransport::Options cma_options(const TransportContext& c) {
   const ConnectorOptions& o = *c.options;
-  why = cma_unavailable(o);
-  if (!why.empty()) return nullptr;
   transport::cma::CmaTransport::Options cma;
   cma.chunk_size = o.cma.chunk_size;
   cma.parallel = o.cma.parallel;
@@ -63,7 +62,13 @@ std::unique_ptr<transport::Transport> make_cma(const TransportContext& c, std::s
   cma.peer_timeout = o.peer_timeout;
   cma.local_name = c.identity->name;
   cma.local_id = std::stoull(c.identity->id, nullptr, 16);
-  return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, std::move(cma));
+  return cma;
+}
+
+std::unique_ptr<transport::Transport> make_cma(const TransportContext& c, std::string& why) {
+  why = cma_unavailable(*c.options);
+  if (!why.empty()) return nullptr;
+  return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, cma_options(c));
 }
 
 #ifdef FERRY_WITH_CUDA
@@ -75,16 +80,9 @@ std::string cuda_ipc_unavailable(const ConnectorOptions& o) {
 }
 
 std::unique_ptr<transport::Transport> make_cuda_ipc(const TransportContext& c, std::string& why) {
-  const ConnectorOptions& o = *c.options;
-  why = cuda_ipc_unavailable(o);
+  why = cuda_ipc_unavailable(*c.options);
   if (!why.empty()) return nullptr;
-  transport::cma::CmaTransport::Options ipc;
-  ipc.chunk_size = o.cma.chunk_size;
-  ipc.parallel = o.cma.parallel;
-  ipc.ptracer_any = cma_ptracer_any(o);
-  ipc.peer_timeout = o.peer_timeout;
-  ipc.local_name = c.identity->name;
-  ipc.local_id = std::stoull(c.identity->id, nullptr, 16);
+  transport::cma::CmaTransport::Options ipc = cma_options(c);
   ipc.cuda_ipc = transport::cuda::usable_driver();
   return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, std::move(ipc));
 }

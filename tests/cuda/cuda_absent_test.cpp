@@ -26,16 +26,6 @@ constexpr const char* kReason = "no CUDA driver: /nonexistent/ferry-test/libcuda
 constexpr const char* kReason = "built without CUDA";
 #endif
 
-void expect_refused(const std::function<void()>& call, ErrorCode code, const std::string& point) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected " << to_string(code);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(point), std::string::npos) << e.what();
-  }
-}
-
 class NoCudaDriver : public ::testing::Test {
  protected:
   Connector owner_{test::named("owner")};
@@ -47,11 +37,12 @@ class NoCudaDriver : public ::testing::Test {
 TEST_F(NoCudaDriver, PassiveOperationsOnCudaDescriptorsAreRefusedWithTheReason) {
   ASSERT_TRUE(kNoDriver);
   Descriptor on_gpu(a_.data(), 16, Device::cuda(0));
-  expect_refused([&] { (void)owner_.create_readable({on_gpu}); }, ErrorCode::Unsupported,
-                 std::string("descriptor 0 (cuda:0): "));
-  expect_refused([&] { (void)owner_.create_readable({on_gpu}); }, ErrorCode::Unsupported, kReason);
+  test::expect_error([&] { (void)owner_.create_readable({on_gpu}); }, ErrorCode::Unsupported,
+                     std::string("descriptor 0 (cuda:0): "));
+  test::expect_error([&] { (void)owner_.create_readable({on_gpu}); }, ErrorCode::Unsupported,
+                     kReason);
   // The second of a list, and on another device: named as such.
-  expect_refused(
+  test::expect_error(
       [&] {
         (void)owner_.create_writable(
             {Descriptor(a_.data(), 16), Descriptor(a_.data() + 16, 16, Device::cuda(3))});
@@ -63,10 +54,10 @@ TEST_F(NoCudaDriver, ActiveOperationsOnCudaDescriptorsAreRefusedAtTheCall) {
   auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
   auto writable = owner_.create_writable({Descriptor(b_.data(), 4096)});
   Descriptor on_gpu(b_.data(), 4096, Device::cuda(0));
-  expect_refused([&] { (void)peer_.begin_read(readable.metadata(), {on_gpu}); },
-                 ErrorCode::Unsupported, kReason);
-  expect_refused([&] { (void)peer_.begin_write({on_gpu}, writable.metadata()); },
-                 ErrorCode::Unsupported, kReason);
+  test::expect_error([&] { (void)peer_.begin_read(readable.metadata(), {on_gpu}); },
+                     ErrorCode::Unsupported, kReason);
+  test::expect_error([&] { (void)peer_.begin_write({on_gpu}, writable.metadata()); },
+                     ErrorCode::Unsupported, kReason);
   // The passive operations are untouched by the refusals.
   EXPECT_EQ(readable.status(), OperationStatus::initialized);
   EXPECT_EQ(writable.status(), OperationStatus::initialized);
@@ -77,13 +68,14 @@ TEST_F(NoCudaDriver, MetadataOfCudaMemoryFindsNoMethodHere) {
   auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
   RdmaMetadata m = readable.metadata();
   m.descriptors[0].device = Device::cuda(0);
-  expect_refused([&] { (void)peer_.begin_read(m, {Descriptor(b_.data(), 4096)}); },
-                 ErrorCode::NoCommonMethod, "needs host+cuda");
+  test::expect_error([&] { (void)peer_.begin_read(m, {Descriptor(b_.data(), 4096)}); },
+                     ErrorCode::NoCommonMethod, "needs host+cuda");
 }
 
 TEST_F(NoCudaDriver, HostMemoryMovesAsBefore) {
   Descriptor on_gpu(a_.data(), 4096, Device::cuda(0));
-  expect_refused([&] { (void)owner_.create_readable({on_gpu}); }, ErrorCode::Unsupported, kReason);
+  test::expect_error([&] { (void)owner_.create_readable({on_gpu}); }, ErrorCode::Unsupported,
+                     kReason);
   auto readable = owner_.create_readable({Descriptor(a_.data(), 4096)});
   auto read = peer_.begin_read(readable.metadata(), {Descriptor(b_.data(), 4096)});
   ASSERT_TRUE(read.wait_for_completion(std::chrono::seconds(20)));

@@ -30,16 +30,6 @@ const bool kFakeDriver = [] {
          ::setenv("FERRY_FAKE_CUDA_COPY_US", "2000", 0) == 0;
 }();
 
-void expect_refused(const std::function<void()>& call, ErrorCode code, const std::string& point) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected " << to_string(code);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(point), std::string::npos) << e.what();
-  }
-}
-
 /// Device memory of the simulated driver, freed at the end; the thread's context is left as
 /// it was.
 class DeviceBuffer {
@@ -85,18 +75,18 @@ TEST_F(WithCudaDriver, DescriptorsAreCheckedAgainstTheDriver) {
   std::vector<std::byte> host = test::buffer(4096);
   DeviceBuffer gpu0(*api_, 0, 1 << 20);
   DeviceBuffer gpu1(*api_, 1, 1 << 20);
-  expect_refused(
+  test::expect_error(
       [&] { (void)owner.create_readable({Descriptor(host.data(), 4096, Device::cuda(0))}); },
       ErrorCode::InvalidArgument, "descriptor 0 (cuda:0): the memory is not CUDA device memory");
-  expect_refused(
+  test::expect_error(
       [&] { (void)owner.create_readable({Descriptor(gpu1.get(), 4096, Device::cuda(0))}); },
       ErrorCode::InvalidArgument, "the memory is on cuda:1, not cuda:0");
-  expect_refused(
+  test::expect_error(
       [&] {
         (void)owner.create_readable({Descriptor(gpu0.get() + 4096, 1 << 20, Device::cuda(0))});
       },
       ErrorCode::InvalidArgument, "runs past the end of its allocation");
-  expect_refused(
+  test::expect_error(
       [&] { (void)owner.create_readable({Descriptor(gpu0.get(), 4096, Device::cuda(7))}); },
       ErrorCode::InvalidArgument, "there is no device cuda:7 (this host has 2)");
   // Device memory rightly described: accepted (tcp stages it through host memory).
@@ -109,7 +99,7 @@ TEST_F(WithCudaDriver, DescriptorsAreCheckedAgainstTheDriver) {
   ConnectorOptions cma_only = test::named("cma-only");
   cma_only.transports = {"cma"};
   Connector host_only(cma_only);
-  expect_refused(
+  test::expect_error(
       [&] {
         (void)host_only.create_readable({Descriptor(gpu0.get() + 4096, 4096, Device::cuda(0))});
       },
@@ -209,8 +199,8 @@ TEST_F(CopyEngineTest, CopiesInFlightAtDestructionAreWaitedForAndNotReported) {
 TEST_F(CopyEngineTest, ACopyTheDriverRefusesThrows) {
   cuda::CopyEngine engine(&loop_, *api_);
   std::vector<std::byte> host = test::buffer(64);
-  expect_refused([&] { engine.copy(5, host.data(), host.data() + 32, 16, {}); },
-                 ErrorCode::Internal, "cuDeviceGet");
+  test::expect_error([&] { engine.copy(5, host.data(), host.data() + 32, 16, {}); },
+                     ErrorCode::Internal, "cuDeviceGet");
   EXPECT_EQ(engine.in_flight(), 0u);
 }
 
@@ -240,8 +230,8 @@ TEST_F(WithCudaDriver, StagingPoolHandsOutPinnedChunksUpToItsLimit) {
   EXPECT_EQ(pool.acquire(gpu.context()), a);
   pool.release(a);
   pool.release(b);
-  expect_refused([&] { cuda::StagingPool(*api_, 1 << 20, 1); }, ErrorCode::InvalidArgument,
-                 "two chunks or more");
+  test::expect_error([&] { cuda::StagingPool(*api_, 1 << 20, 1); }, ErrorCode::InvalidArgument,
+                     "two chunks or more");
 }
 
 }  // namespace

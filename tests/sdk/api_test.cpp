@@ -13,15 +13,7 @@
 namespace ferry {
 namespace {
 
-void expect_error(const std::function<void()>& call, ErrorCode code, const std::string& point) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected " << to_string(code);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(point), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(Device, ParsesItsForms) {
   EXPECT_EQ(Device("host"), Device::host());

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -10,6 +11,18 @@
 #include <ferry/operation.hpp>
 
 namespace ferry::test {
+
+/// Expects `call` to throw Error with `code`, its text naming `point`.
+inline void expect_error(const std::function<void()>& call, ErrorCode code,
+                         const std::string& point) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected " << to_string(code);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(point), std::string::npos) << e.what();
+  }
+}
 
 inline ConnectorOptions named(std::string name) {
   ConnectorOptions o;
