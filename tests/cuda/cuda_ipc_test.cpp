@@ -13,6 +13,7 @@
 #include <climits>
 #include <cstdlib>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -74,9 +75,12 @@ std::uint64_t operations_by(const Connector& c, const std::string& method) {
 ///                                        "IPC META <json>", then "IPC END <status> <mismatch>"
 ///                                        (first byte not of SEED's pattern, -1: none)
 ///   begin read|write DEVICE SEED <json>  the active side on our metadata, same END answer
+///   hold DEVICE SIZE                     allocates SIZE bytes and keeps them; "IPC HELD"
+///   free                                 frees them; "IPC FREED"
 ///   quit
 TEST(CudaIpcChild, DISABLED_Serve) {
   Connector us(ipc_only("child"));
+  std::unique_ptr<Memory> held;
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
@@ -84,6 +88,18 @@ TEST(CudaIpcChild, DISABLED_Serve) {
     int device = 0;
     in >> command;
     if (command == "quit") break;
+    if (command == "hold") {
+      std::size_t size = 0;
+      in >> device >> size;
+      held = std::make_unique<Memory>(device, size);
+      std::cout << "IPC HELD" << std::endl;
+      continue;
+    }
+    if (command == "free") {
+      held.reset();
+      std::cout << "IPC FREED" << std::endl;
+      continue;
+    }
     in >> kind >> device;
     std::string status = "complete";
     long long mismatch = -1;
@@ -246,6 +262,34 @@ TEST_F(CudaIpc, AnAllocationIsOpenedOnceAndAgainWhenFreedAndMadeAgain) {
   const auto after = ipc_counts();
   EXPECT_EQ(after.first - before.first, 2u);    // opened again
   EXPECT_EQ(after.second - before.second, 1u);  // the stale mapping closed
+}
+
+TEST_F(CudaIpc, AnAllocationMadeBelowAnOpenedOneAndCoveringItReplacesIt) {
+  Connector us(ipc_only("parent"));
+  const std::size_t chunk = std::size_t{4} << 20;
+  // The child's buffer at the bottom of its space is held, so the next one lies above it.
+  child_->send_line("hold 0 " + std::to_string(chunk));
+  ASSERT_EQ(answer(), "HELD");
+  RdmaMetadata first = child_exposes("read", 0, chunk, 61);
+  {
+    Memory into(0, chunk);
+    auto read = us.begin_read(first, {into.descriptor()});
+    ASSERT_TRUE(read.wait_for_completion(kWait));
+    EXPECT_EQ(into.mismatch(61), -1);
+    EXPECT_EQ(answer(), "END complete -1");
+  }
+  // Both freed: a bigger allocation starts below the opened one and covers it.
+  child_->send_line("free");
+  ASSERT_EQ(answer(), "FREED");
+  RdmaMetadata second = child_exposes("read", 0, 3 * chunk, 62);
+  ASSERT_LT(second.descriptors[0].ptr, first.descriptors[0].ptr);
+  ASSERT_GT(second.descriptors[0].ptr + 3 * chunk, first.descriptors[0].ptr);
+  Memory into(0, 3 * chunk);
+  auto read = us.begin_read(second, {into.descriptor()});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  // Every byte from the new allocation, none through the old one's mapping.
+  EXPECT_EQ(into.mismatch(62), -1);
+  EXPECT_EQ(answer(), "END complete -1");
 }
 
 TEST_F(CudaIpc, CancelMidTransferEndsBothSidesAndTouchesNothingAfter) {

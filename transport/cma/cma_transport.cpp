@@ -183,7 +183,13 @@ void CmaTransport::close() {
   pending_.clear();
   // Peers may still copy under grants of exposures never revoked; the memory is the owner's
   // to keep until they are done (revoke() waits for that; here only as long as peer_timeout).
-  for (auto& [id, c] : claimed_) close_grant(c);
+  for (auto& [id, c] : claimed_) {
+    close_grant(c);
+    // Its HANDLES frame, if still queued, must not read the payload about to go (the
+    // connections flush what is queued below).
+    if (tcp::Connection* conn = find_conn(c.conn); conn != nullptr && !c.handles.empty())
+      conn->release(handles_tag(id));
+  }
   claimed_.clear();
   exposures_.clear();
   links_.clear();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 
@@ -111,11 +112,22 @@ void IpcImports::close(Mapping& m) {
 void IpcImports::open(const std::vector<IpcRange>& ranges, int ordinal) {
   for (const IpcRange& r : ranges) {
     const auto key = std::make_pair(ordinal, r.base);
-    if (auto it = mappings_.find(key); it != mappings_.end()) {
-      if (it->second.range == r) continue;  // the same allocation: reused
-      // Another allocation at that address (the old one was freed): its mapping goes.
+    if (auto it = mappings_.find(key); it != mappings_.end() && it->second.range == r)
+      continue;  // the same allocation: reused
+    // Another allocation where opened ones were (they were freed): every mapping of this
+    // device that overlaps it goes, also one at a higher address (translate() would find it
+    // first for the addresses above its base).
+    auto it = mappings_.lower_bound(key);
+    if (it != mappings_.begin()) {
+      auto before = std::prev(it);
+      if (before->first.first == ordinal &&
+          before->second.range.base + before->second.range.size > r.base)
+        it = before;
+    }
+    while (it != mappings_.end() && it->first.first == ordinal &&
+           it->second.range.base < r.base + r.size) {
       close(it->second);
-      mappings_.erase(it);
+      it = mappings_.erase(it);
       ++replaced_;
     }
     Mapping m;

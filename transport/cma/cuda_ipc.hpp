@@ -40,8 +40,8 @@ std::vector<IpcRange> export_ranges(const cuda::CudaApi& api, const std::vector<
 
 /// The peer's side: an owner's allocations opened in this process (cuIpcOpenMemHandle), cached
 /// for the life of the link to that owner, per device and allocation. An allocation the owner
-/// freed and reallocated at the same address comes with another handle: its old mapping is
-/// closed and the new one opened. Loop thread only.
+/// freed and reallocated at the same address, or over it, comes with another handle: every
+/// old mapping it overlaps is closed and the new one opened. Loop thread only.
 class IpcImports {
  public:
   explicit IpcImports(const cuda::CudaApi& api) : api_(api) {}
