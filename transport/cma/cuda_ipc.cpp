@@ -207,13 +207,14 @@ void CmaTransport::ipc_claimed(CmaTransfer& t) {
 
 void CmaTransport::pump_ipc(CmaTransfer& t) {
   if (!engine_) engine_ = std::make_unique<cuda::CopyEngine>(loop_, *options_.cuda_ipc);
-  const int remote_device = t.spec.segments.front().cuda_device;
+  // The device the owner's allocations were opened on (ipc_claimed).
+  const int mapped_on = t.spec.segments.front().cuda_device;
   while (!t.finished && !t.ended_by_owner && t.jobs < options_.parallel &&
          t.seg < t.spec.segments.size()) {
     const Segment& s = t.spec.segments[t.seg];
     const std::uint64_t len = std::min<std::uint64_t>(options_.chunk_size, s.len - t.seg_off);
     std::byte* local = s.local + t.seg_off;
-    std::byte* remote = t.link->imports->translate(s.remote_addr + t.seg_off, len, remote_device);
+    std::byte* remote = t.link->imports->translate(s.remote_addr + t.seg_off, len, mapped_on);
     if (remote == nullptr) {
       const Error error(ErrorCode::ProtocolError,
                         "peer '" + t.spec.peer_name +
