@@ -94,6 +94,7 @@ struct Initiator::Thread {
   struct Slot {
     Buffer buffer;
     std::vector<ferry::Descriptor> descs;
+    std::vector<ferry::Descriptor> host;  // descs over the buffer's host side, for the pattern
     ferry::Operation op;
     bool busy = false;
     bool measured = false;
@@ -242,8 +243,9 @@ PointResult Initiator::run(PointSpec spec) {
     auto th = std::make_shared<Thread>();
     th->slots.resize(spec.inflight);
     for (auto& s : th->slots) {
-      s.buffer = Buffer(per_buffer);
+      s.buffer = Buffer(per_buffer, spec.initiator_device);
       s.descs = descriptors(s.buffer, point.pieces);
+      s.host = host_descriptors(s.buffer, point.pieces);
     }
     threads.push_back(std::move(th));
   }
@@ -435,7 +437,10 @@ void Initiator::drive(Point& point, const std::shared_ptr<Thread>& thread) {
     }
     const auto t_got = Clock::now();
     // The pattern is written outside the prep time (it is the benchmark's work, not ferry's).
-    if (spec.write && spec.check) fill_pattern(slot.descs, spec.seed, item.n);
+    if (spec.write && spec.check) {
+      fill_pattern(slot.host, spec.seed, item.n);
+      slot.buffer.push();
+    }
     const auto t_fill = Clock::now();
 
     ferry::OperationOptions opts;
@@ -525,7 +530,8 @@ void Initiator::drive(Point& point, const std::shared_ptr<Thread>& thread) {
         }
         ++th.completed;
         if (!spec.write && spec.check) {
-          const Mismatch m = verify_pattern(s.descs, spec.seed, s.n);
+          s.buffer.pull();
+          const Mismatch m = verify_pattern(s.host, spec.seed, s.n);
           if (m.bytes > 0) {
             if (th.mismatched_ops++ == 0) {
               point.problem("consistency: operation " + std::to_string(s.n) + " read " +

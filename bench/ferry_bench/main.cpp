@@ -41,6 +41,8 @@ std::vector<PointSpec> sweep(const Options& o, const std::string& session, std::
         p.check = o.check_consistency;
         p.seed = seed;
         p.session = session;
+        p.initiator_device = o.initiator_vram ? 0 : -1;
+        p.target_device = o.target_vram ? 0 : -1;
         if (o.kv) {
           p.block_size = o.kv_page_size;
           p.batch_size = o.kv_pages;
@@ -86,6 +88,15 @@ int run(Options o) {
     std::fprintf(stderr, "ferry-bench: %s\n", what.c_str());
   };
   install_signal_handlers();
+  // VRAM is cuda:0; say at once why it cannot be (the target, a process of this host, would
+  // fail the same way).
+  if (o.initiator_vram || o.target_vram) {
+    try {
+      check_device(0);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(std::string("VRAM: ") + e.what());
+    }
+  }
   if (o.session.empty()) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "fb-%08llx",
@@ -103,8 +114,12 @@ int run(Options o) {
     o.simulated_verbs = false;
   }
   if (o.methods.empty()) {
+    // Those that move the memory asked for: CUDA memory for VRAM, host memory for DRAM.
+    const bool vram = o.initiator_vram || o.target_vram;
+    const bool dram = !o.initiator_vram || !o.target_vram;
     for (const auto& m : ferry::probe_methods())
-      if (m.available) o.methods.push_back(m.method);
+      if (m.available && (!vram || m.moves_cuda) && (!dram || m.moves_host))
+        o.methods.push_back(m.method);
   }
 
   ControlClient control(o.nats_url, o.session);

@@ -24,7 +24,8 @@ latency per point of a sweep (method x op_type x inflight x batch size x block s
                                  $FERRY_NATS_URL, else (role both) a private nats-server
   --session NAME                 subject prefix pairing initiator and target (default random)
   --op_type READ|WRITE[,...]     default WRITE
-  --method tcp|cma|verbs[,...]   default: every method offered here
+  --method tcp|cma|verbs|cuda_ipc[,...]
+                                 default: every method offered here
   --simulated_verbs              verbs on the simulated RDMA fabric (labelled verbs(sim))
   --start_block_size N           bytes per descriptor, K/M/G suffixes (default 4K)
   --max_block_size N             (default 64M)
@@ -43,6 +44,8 @@ latency per point of a sweep (method x op_type x inflight x batch size x block s
   --kv_page_size N               picked non-contiguously from a pool (defaults 16K, 1024)
   --kv_pages N
   --check_consistency            verify every byte moved; a mismatch fails the run
+  --initiator_seg_type DRAM|VRAM the initiator's buffers: host memory (default) or memory
+  --target_seg_type DRAM|VRAM    of GPU cuda:0, through the CUDA driver ferry loads
   --json FILE  --csv FILE  --png FILE
   --quiet                        no progress on stderr
   --help
@@ -75,6 +78,13 @@ std::uint64_t parse_count(const std::string& name, const std::string& text, bool
     throw std::invalid_argument("--" + name + ": not a " + (zero_ok ? "count" : "positive count") +
                                 ": '" + text + "'");
   return v;
+}
+
+// DRAM -> false, VRAM -> true.
+bool parse_seg_type(const std::string& name, const std::string& text) {
+  if (text == "DRAM") return false;
+  if (text == "VRAM") return true;
+  throw std::invalid_argument("--" + name + ": DRAM or VRAM, not '" + text + "'");
 }
 
 std::size_t parse_positive_size(const std::string& name, const std::string& text) {
@@ -147,10 +157,13 @@ Options parse_options(int argc, char** argv) {
        [&](auto& n, auto& v) {
          o.methods = split_list(v);
          for (auto& m : o.methods) {
-           if (m != "tcp" && m != "cma" && m != "verbs")
-             throw std::invalid_argument("--" + n + ": tcp, cma or verbs, not '" + m + "'");
+           if (m != "tcp" && m != "cma" && m != "verbs" && m != "cuda_ipc")
+             throw std::invalid_argument("--" + n + ": tcp, cma, verbs or cuda_ipc, not '" + m +
+                                         "'");
          }
        }},
+      {"initiator_seg_type", [&](auto& n, auto& v) { o.initiator_vram = parse_seg_type(n, v); }},
+      {"target_seg_type", [&](auto& n, auto& v) { o.target_vram = parse_seg_type(n, v); }},
       {"start_block_size",
        [&](auto& n, auto& v) { o.start_block_size = parse_positive_size(n, v); }},
       {"max_block_size", [&](auto& n, auto& v) { o.max_block_size = parse_positive_size(n, v); }},

@@ -31,6 +31,8 @@ struct Options {
   std::size_t kv_page_size = 16u << 10;
   std::size_t kv_pages = 1024;
   bool check_consistency = false;
+  bool initiator_vram = false;  ///< --initiator_seg_type VRAM: the initiator's buffers on cuda:0
+  bool target_vram = false;     ///< --target_seg_type VRAM: the target's buffers on cuda:0
   std::string json_path;
   std::string csv_path;
   std::string png_path;

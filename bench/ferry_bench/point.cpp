@@ -13,13 +13,21 @@
 namespace ferry_bench {
 
 json PointSpec::to_json() const {
-  return json{{"method", method},         {"write", write},
-              {"by_subject", by_subject}, {"kv", kv},
-              {"block_size", block_size}, {"batch_size", batch_size},
-              {"inflight", inflight},     {"threads", threads},
-              {"check", check},           {"seed", seed},
-              {"max_ops", max_ops},       {"pool", pool},
-              {"session", session}};
+  return json{{"method", method},
+              {"write", write},
+              {"by_subject", by_subject},
+              {"kv", kv},
+              {"block_size", block_size},
+              {"batch_size", batch_size},
+              {"inflight", inflight},
+              {"threads", threads},
+              {"check", check},
+              {"seed", seed},
+              {"max_ops", max_ops},
+              {"pool", pool},
+              {"session", session},
+              {"initiator_device", initiator_device},
+              {"target_device", target_device}};
 }
 
 PointSpec PointSpec::from_json(const json& j) {
@@ -37,12 +45,15 @@ PointSpec PointSpec::from_json(const json& j) {
   s.max_ops = j.at("max_ops").get<std::uint64_t>();
   s.pool = j.at("pool").get<std::size_t>();
   s.session = j.at("session").get<std::string>();
+  s.initiator_device = j.value("initiator_device", -1);
+  s.target_device = j.value("target_device", -1);
   if (s.block_size == 0 || s.batch_size == 0 || s.inflight == 0 || s.threads == 0 || s.pool == 0)
     throw std::invalid_argument("point spec with a zero size or count");
   return s;
 }
 
-Buffer::Buffer(std::size_t size) : size_(size) {
+Buffer::Buffer(std::size_t size, int device) : size_(size) {
+  if (device >= 0) gpu_ = std::make_unique<ferry_samples::DeviceMemory>(device, size);
   // MAP_POPULATE: the pages are there before anything is timed.
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
@@ -55,15 +66,32 @@ Buffer::~Buffer() {
 }
 
 Buffer::Buffer(Buffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      gpu_(std::move(other.gpu_)) {}
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
   if (this != &other) {
     if (data_ != nullptr) ::munmap(data_, size_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    gpu_ = std::move(other.gpu_);
   }
   return *this;
+}
+
+std::byte* Buffer::data() const { return gpu_ ? gpu_->data() : data_; }
+
+void Buffer::push() {
+  if (gpu_) gpu_->write(0, data_, size_);
+}
+
+void Buffer::pull() {
+  if (gpu_) gpu_->read(0, data_, size_);
+}
+
+void check_device(int device) {
+  if (device >= 0) ferry_samples::DeviceMemory probe(device, 4096);
 }
 
 std::vector<Piece> layout(const PointSpec& spec, Side side) {
@@ -86,7 +114,20 @@ std::vector<Piece> layout(const PointSpec& spec, Side side) {
 std::vector<ferry::Descriptor> descriptors(const Buffer& buffer, const std::vector<Piece>& pieces) {
   std::vector<ferry::Descriptor> out;
   out.reserve(pieces.size());
-  for (const Piece& p : pieces) out.emplace_back(buffer.data() + p.offset, p.size);
+  for (const Piece& p : pieces) {
+    if (buffer.device() < 0)
+      out.emplace_back(buffer.data() + p.offset, p.size);
+    else
+      out.emplace_back(buffer.data() + p.offset, p.size, ferry::Device::cuda(buffer.device()));
+  }
+  return out;
+}
+
+std::vector<ferry::Descriptor> host_descriptors(const Buffer& buffer,
+                                                const std::vector<Piece>& pieces) {
+  std::vector<ferry::Descriptor> out;
+  out.reserve(pieces.size());
+  for (const Piece& p : pieces) out.emplace_back(buffer.host() + p.offset, p.size);
   return out;
 }
 

@@ -7,11 +7,14 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ferry/ferry.hpp>
 #include <nlohmann/json.hpp>
+
+#include "samples/support/device_memory.hpp"
 
 namespace ferry_bench {
 
@@ -37,6 +40,8 @@ struct PointSpec {
   std::uint64_t max_ops = 0;  ///< the most passive operations the target creates
   std::size_t pool = 0;       ///< target buffers, each under one live operation at a time
   std::string session;        ///< subjects are <session>.op.<n>
+  int initiator_device = -1;  ///< the CUDA device of the initiator's buffers; -1: host memory
+  int target_device = -1;     ///< the CUDA device of the target's buffers; -1: host memory
 
   std::size_t bytes_per_op() const { return block_size * batch_size; }
   /// A slot's buffer: the operation's bytes, twice that in KV mode (every other page used).
@@ -49,24 +54,39 @@ struct PointSpec {
   static PointSpec from_json(const json& j);
 };
 
-/// Page-aligned memory, mapped and touched at once (no page faults while measuring).
+/// Page-aligned memory, mapped and touched at once (no page faults while measuring); or, for
+/// `device` >= 0, memory of that CUDA device with such host memory beside it, its host copy:
+/// the CPU writes and reads the host copy, push() and pull() copy it to and from the device
+/// through the driver (device memory is never touched by the CPU). Throws, saying why, when
+/// CUDA cannot be used.
 class Buffer {
  public:
   Buffer() = default;
-  explicit Buffer(std::size_t size);
+  explicit Buffer(std::size_t size, int device = -1);
   ~Buffer();
   Buffer(Buffer&& other) noexcept;
   Buffer& operator=(Buffer&& other) noexcept;
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 
-  std::byte* data() const { return data_; }
+  /// The memory ferry moves: host memory, or the device address.
+  std::byte* data() const;
   std::size_t size() const { return size_; }
+  int device() const { return gpu_ ? gpu_->ordinal() : -1; }
+  /// Where the CPU writes and reads the bytes: the memory itself, or its host copy.
+  std::byte* host() const { return data_; }
+  /// Host copy to device, and back; nothing for host memory.
+  void push();
+  void pull();
 
  private:
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
+  std::unique_ptr<ferry_samples::DeviceMemory> gpu_;
 };
+
+/// Throws std::runtime_error saying why when `device` (>= 0) cannot hold buffers here.
+void check_device(int device);
 
 /// Where one operation's descriptors lie in a slot's buffer: `batch_size` blocks one after
 /// the other; in KV mode `batch_size` pages of every other page of a pool twice as large, in a
@@ -78,6 +98,9 @@ struct Piece {
 enum class Side { initiator, target };
 std::vector<Piece> layout(const PointSpec& spec, Side side);
 std::vector<ferry::Descriptor> descriptors(const Buffer& buffer, const std::vector<Piece>& pieces);
+/// The same pieces over the buffer's host() side, for fill_pattern and verify_pattern.
+std::vector<ferry::Descriptor> host_descriptors(const Buffer& buffer,
+                                                const std::vector<Piece>& pieces);
 
 /// The consistency pattern: the byte stream of operation `n` (its descriptors in order, as
 /// ferry matches them) is a sequence of 64-bit words that depends on `seed`, `n` and the

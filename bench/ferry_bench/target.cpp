@@ -37,8 +37,9 @@ class TargetPoint {
     const auto pieces = layout(spec_, Side::target);
     slots_.reserve(spec_.pool);
     for (std::size_t i = 0; i < spec_.pool; ++i) {
-      Slot s{Buffer(spec_.buffer_bytes()), {}};
+      Slot s{Buffer(spec_.buffer_bytes(), spec_.target_device), {}, {}};
       s.descs = descriptors(s.buffer, pieces);
+      s.host = host_descriptors(s.buffer, pieces);
       slots_.push_back(std::move(s));
     }
     for (std::size_t i = 0; i < spec_.pool && i < spec_.max_ops; ++i) create(i);
@@ -127,6 +128,7 @@ class TargetPoint {
   struct Slot {
     Buffer buffer;
     std::vector<ferry::Descriptor> descs;
+    std::vector<ferry::Descriptor> host;  // descs over the buffer's host side, for the pattern
   };
   struct Live {
     std::size_t slot = 0;
@@ -178,7 +180,10 @@ class TargetPoint {
         live.doc = spec_.by_subject ? options.subject : op.metadata().to_json();
         live.op = std::move(op);
       } else {
-        if (spec_.check) fill_pattern(s.descs, spec_.seed, n);
+        if (spec_.check) {
+          fill_pattern(s.host, spec_.seed, n);
+          s.buffer.push();
+        }
         auto op = connector_.create_readable(s.descs, options);
         live.doc = spec_.by_subject ? options.subject : op.metadata().to_json();
         live.op = std::move(op);
@@ -236,7 +241,8 @@ class TargetPoint {
         }
       }
       if (spec_.write && spec_.check && e.status == ferry::OperationStatus::complete) {
-        const Mismatch m = verify_pattern(slots_[live.slot].descs, spec_.seed, e.n);
+        slots_[live.slot].buffer.pull();
+        const Mismatch m = verify_pattern(slots_[live.slot].host, spec_.seed, e.n);
         std::lock_guard lock(state_->mu);
         ++state_->verified;
         if (m.bytes > 0) {

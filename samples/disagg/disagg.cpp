@@ -10,13 +10,18 @@
 //
 // Roles (each a process):
 //   ferry-disagg decode  [--name N] [--blocks B] [--layers L] [--tokens-per-block T]
-//                        [--bytes-per-token X] [--threads W]
-//   ferry-disagg prefill [--name N] [--threads W]
+//                        [--bytes-per-token X] [--threads W] [--device D]
+//   ferry-disagg prefill [--name N] [--threads W] [--device D]
 //   ferry-disagg client  [--requests R] [--concurrency C] [--min-tokens A] [--max-tokens B]
 //   ferry-disagg all     [--prefill P] [--requests R] [--concurrency C] ...
 //     runs a private nats-server (unless FERRY_NATS_URL is set), 1 decode and P prefill
 //     workers as child processes, then the client; stops everything it started, also on
 //     Ctrl-C or failure. Exit status 0 only when every request was verified.
+//
+// --device D: where the KV lives, "host" (the default) or "cuda:N": the decode worker's pool
+// and the prefill worker's KV buffers are then memory of GPU N, allocated with the CUDA driver
+// ferry loads and filled and checked through the driver's copies; the program exits with why
+// when CUDA cannot be used. "all" passes it to every worker.
 //
 // NATS: FERRY_NATS_URL (default nats://127.0.0.1:4222), used by ferry and by this program.
 #include <fcntl.h>
@@ -31,9 +36,11 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -47,6 +54,7 @@
 
 #include "samples/disagg/kv.hpp"
 #include "samples/disagg/process.hpp"
+#include "samples/support/device_memory.hpp"
 
 namespace {
 
@@ -261,13 +269,17 @@ ferry::ConnectorOptions connector_options(const std::string& name) {
 // ---------------------------------------------------------------------------------------
 // decode
 
-// Fixed-size KV blocks, one region per layer, handed out per request.
+// Fixed-size KV blocks, one region per layer, handed out per request: in host memory, or in
+// memory of GPU `device` (not for the CPU to touch: see read()).
 class BlockPool {
  public:
-  BlockPool(disagg::Shape shape, std::uint32_t blocks)
-      : shape_(shape),
-        blocks_(blocks),
-        memory_(std::size_t{shape.layers} * blocks * shape.block_bytes()) {
+  BlockPool(disagg::Shape shape, std::uint32_t blocks, int device)
+      : shape_(shape), blocks_(blocks), device_(device) {
+    const std::size_t bytes = std::size_t{shape.layers} * blocks * shape.block_bytes();
+    if (device_ < 0)
+      memory_.resize(bytes);
+    else
+      gpu_ = std::make_unique<ferry_samples::DeviceMemory>(device_, bytes);
     for (std::uint32_t b = 0; b < blocks; ++b) free_.push_back(b);
   }
   // Waits up to `timeout` for `n` free blocks.
@@ -288,14 +300,29 @@ class BlockPool {
     }
     cv_.notify_all();
   }
-  std::byte* block(std::uint32_t layer, std::uint32_t b) {
-    return memory_.data() + (std::size_t{layer} * blocks_ + b) * shape_.block_bytes();
+  ferry::Descriptor descriptor(std::uint32_t layer, std::uint32_t b) {
+    std::byte* base = device_ < 0 ? memory_.data() : gpu_->data();
+    std::byte* p = base + offset(layer, b);
+    return device_ < 0 ? ferry::Descriptor(p, shape_.block_bytes())
+                       : ferry::Descriptor(p, shape_.block_bytes(), ferry::Device::cuda(device_));
+  }
+  // The block's bytes, copied to `out` (through the driver for device memory).
+  void read(std::uint32_t layer, std::uint32_t b, std::byte* out) const {
+    if (device_ < 0)
+      std::memcpy(out, memory_.data() + offset(layer, b), shape_.block_bytes());
+    else
+      gpu_->read(offset(layer, b), out, shape_.block_bytes());
   }
 
  private:
+  std::size_t offset(std::uint32_t layer, std::uint32_t b) const {
+    return (std::size_t{layer} * blocks_ + b) * shape_.block_bytes();
+  }
   disagg::Shape shape_;
   std::uint32_t blocks_;
+  int device_;
   std::vector<std::byte> memory_;
+  std::unique_ptr<ferry_samples::DeviceMemory> gpu_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::uint32_t> free_;
@@ -320,7 +347,8 @@ int run_decode(const Args& args) {
     throw std::runtime_error(
         "--layers and --tokens-per-block must be positive, "
         "--bytes-per-token a positive multiple of 8");
-  BlockPool pool(shape, args.num("--blocks", 512));
+  BlockPool pool(shape, args.num("--blocks", 512),
+                 ferry_samples::parse_device(args.str("--device", "host")));
   ferry::Connector connector(connector_options(name));
   Nats nats(name);
   Workers workers(args.num("--threads", 8));
@@ -349,8 +377,7 @@ int run_decode(const Args& args) {
       // block, matched with the prefill worker's contiguous buffer as one byte stream.
       std::vector<ferry::Descriptor> local;
       for (std::uint32_t l = 0; l < shape.layers; ++l)
-        for (std::uint32_t b : lease.blocks)
-          local.emplace_back(pool.block(l, b), shape.block_bytes());
+        for (std::uint32_t b : lease.blocks) local.push_back(pool.descriptor(l, b));
       ferry::OperationOptions o;
       o.subject = "disagg.kv." + name + "." + std::to_string(id);
       auto writable = connector.create_writable(local, o);
@@ -398,10 +425,12 @@ int run_decode(const Args& args) {
       if (ok) {
         // Every byte, every layer, every block.
         const auto digest = disagg::prompt_digest(prompt);
+        std::vector<std::byte> got(shape.block_bytes());
         for (std::uint32_t l = 0; l < shape.layers && ok; ++l)
-          for (std::uint32_t i = 0; i < n && ok; ++i)
-            ok = disagg::check_block(pool.block(l, lease.blocks[i]), shape.block_bytes(), digest, l,
-                                     i);
+          for (std::uint32_t i = 0; i < n && ok; ++i) {
+            pool.read(l, lease.blocks[i], got.data());
+            ok = disagg::check_block(got.data(), got.size(), digest, l, i);
+          }
         if (!ok) why = "the KV cache does not verify";
       }
       reply["ok"] = ok;
@@ -419,8 +448,7 @@ int run_decode(const Args& args) {
   };
   serve_until_stopped(nats, kGenerate, "decode", workers, name, handle);
   std::fprintf(stderr, "%s: served %llu requests\n%s", name.c_str(),
-               static_cast<unsigned long long>(served.load()),
-               connector.stats().to_text().c_str());
+               static_cast<unsigned long long>(served.load()), connector.stats().to_text().c_str());
   return 0;
 }
 
@@ -429,6 +457,8 @@ int run_decode(const Args& args) {
 
 int run_prefill(const Args& args) {
   const std::string name = args.str("--name", "prefill-" + std::to_string(::getpid()));
+  const int device = ferry_samples::parse_device(args.str("--device", "host"));
+  if (device >= 0) ferry_samples::DeviceMemory probe(device, 8);  // says at once why not
   ferry::Connector connector(connector_options(name));
   Nats nats(name);
   Workers workers(args.num("--threads", 4));
@@ -452,8 +482,15 @@ int run_prefill(const Args& args) {
         for (std::uint32_t i = 0; i < n; ++i)
           disagg::fill_block(kv.data() + (std::size_t{l} * n + i) * shape.block_bytes(),
                              shape.block_bytes(), digest, l, i);
-      auto write = connector.begin_write({ferry::Descriptor(kv.data(), kv.size())},
-                                         ferry::Subject(req.at("kv_subject")));
+      // On a GPU, the KV computed here is copied to device memory first, and sent from there.
+      std::optional<ferry_samples::DeviceMemory> gpu;
+      ferry::Descriptor source(kv.data(), kv.size());
+      if (device >= 0) {
+        gpu.emplace(device, kv.size());
+        gpu->write(0, kv.data(), kv.size());
+        source = ferry::Descriptor(gpu->data(), kv.size(), ferry::Device::cuda(device));
+      }
+      auto write = connector.begin_write({source}, ferry::Subject(req.at("kv_subject")));
       write.wait_for_completion();
       reply["ok"] = true;
       reply["method"] = write.method();
@@ -467,8 +504,7 @@ int run_prefill(const Args& args) {
   };
   serve_until_stopped(nats, kPrefill, "prefill", workers, name, handle);
   std::fprintf(stderr, "%s: prefilled %llu requests\n%s", name.c_str(),
-               static_cast<unsigned long long>(served.load()),
-               connector.stats().to_text().c_str());
+               static_cast<unsigned long long>(served.load()), connector.stats().to_text().c_str());
   return 0;
 }
 
@@ -610,6 +646,10 @@ int run_all(const char* self, const Args& args) {
   // Destroyed in reverse: the workers stop before the server they talk to.
   std::unique_ptr<disagg::Child> nats_server;
   std::vector<std::unique_ptr<disagg::Child>> children;
+  if (args.values.count("--device")) {  // says why not before starting anything
+    const int device = ferry_samples::parse_device(args.values.at("--device"));
+    if (device >= 0) ferry_samples::DeviceMemory probe(device, 8);
+  }
   if (const char* url = std::getenv("FERRY_NATS_URL"); url == nullptr || *url == '\0') {
     auto port = disagg::free_port();
     nats_server = std::make_unique<disagg::Child>(std::vector<std::string>{
@@ -624,13 +664,18 @@ int run_all(const char* self, const Args& args) {
   std::vector<std::string> pass;  // the shape options go to the decode worker
   for (const char* key : {"--layers", "--tokens-per-block", "--bytes-per-token", "--blocks"})
     if (args.values.count(key)) pass.insert(pass.end(), {key, args.values.at(key)});
+  std::vector<std::string> device;  // and --device to every worker
+  if (args.values.count("--device")) device = {"--device", args.values.at("--device")};
   std::vector<std::string> decode{self, "decode", "--name", "decode-0"};
   decode.insert(decode.end(), pass.begin(), pass.end());
+  decode.insert(decode.end(), device.begin(), device.end());
   children.push_back(std::make_unique<disagg::Child>(decode, true));
   const std::uint32_t prefills = args.num("--prefill", 2);
-  for (std::uint32_t i = 0; i < prefills; ++i)
-    children.push_back(std::make_unique<disagg::Child>(
-        std::vector<std::string>{self, "prefill", "--name", "prefill-" + std::to_string(i)}, true));
+  for (std::uint32_t i = 0; i < prefills; ++i) {
+    std::vector<std::string> prefill{self, "prefill", "--name", "prefill-" + std::to_string(i)};
+    prefill.insert(prefill.end(), device.begin(), device.end());
+    children.push_back(std::make_unique<disagg::Child>(prefill, true));
+  }
   for (auto& c : children) {
     if (!c->wait_ready(20s)) {
       std::fprintf(stderr, "disagg: a worker did not come up\n");
