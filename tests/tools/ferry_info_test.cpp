@@ -50,7 +50,7 @@ TEST(FerryInfo, PlainOutputNamesTcpAvailable) {
   EXPECT_TRUE(std::regex_search(
       run.out, std::regex("\n  verbs +300  (available +needs: |unavailable +)\\S")))
       << run.out;
-  EXPECT_EQ(run.out.find("verbs   300  not built"), std::string::npos) << run.out;
+  EXPECT_EQ(run.out.find("verbs     300  not built"), std::string::npos) << run.out;
 #else
   EXPECT_TRUE(std::regex_search(run.out,
                                 std::regex("\n  verbs +300  not built into this version of ferry")))

@@ -218,14 +218,13 @@ json memory_kinds(const ferry::MethodInfo& info) {
 json method_list(const Args& args, json& restricted) {
   json methods = json::array();
   for (const ferry::MethodInfo& info : probe(args, restricted))
-    methods.push_back(
-        {{"method", info.method},
-         {"rank", info.rank},
-         {"built", true},
-         {"available", info.available},
-         {"status", method_status(info, restricted)},
-         {"detail", info.detail},
-         {"memory", memory_kinds(info)}});
+    methods.push_back({{"method", info.method},
+                       {"rank", info.rank},
+                       {"built", true},
+                       {"available", info.available},
+                       {"status", method_status(info, restricted)},
+                       {"detail", info.detail},
+                       {"memory", memory_kinds(info)}});
   for (const LaterMethod& later : later_methods()) {
     auto built = [&](const json& m) { return m["method"] == later.method; };
     if (std::none_of(methods.begin(), methods.end(), built))
@@ -529,13 +528,13 @@ void print_methods(const json& facts) {
   std::printf("Methods, best first\n");
   for (const json& m : facts["methods"]) {
     if (!m["built"].get<bool>()) {
-      std::printf("  %-6s %4d  %s\n", m["method"].get<std::string>().c_str(), m["rank"].get<int>(),
+      std::printf("  %-8s %4d  %s\n", m["method"].get<std::string>().c_str(), m["rank"].get<int>(),
                   kNotBuilt);
       continue;
     }
     std::string detail = m["detail"].get<std::string>();
     if (m["available"].get<bool>() && !detail.empty()) detail = "needs: " + detail;
-    std::printf("  %-6s %4d  %-12s %s\n", m["method"].get<std::string>().c_str(),
+    std::printf("  %-8s %4d  %-12s %s\n", m["method"].get<std::string>().c_str(),
                 m["rank"].get<int>(), m["status"].get<std::string>().c_str(), detail.c_str());
   }
   std::printf("%s", wrap(facts["rule"].get<std::string>(), 2).c_str());
