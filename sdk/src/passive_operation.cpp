@@ -49,7 +49,7 @@ void PassiveOperation::expose(const transport::Token& token) {
       const std::size_t before = registrations_.size();
       try {
         for (const transport::Region& r : exposure.regions)
-          registrations_.push_back(t->register_memory(r));
+          registrations_.push_back(t->register_exposed(r));
       } catch (const Error& e) {
         // A method that cannot serve this particular memory (CUDA memory without an IPC
         // handle, say) is not offered; the others are.

@@ -92,9 +92,6 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
   OwnerInfo info;
   if (auto e = parse_endpoint(spec.endpoint, info)) throw *e;
-  if (ipc())
-    for (const Segment& s : spec.segments)
-      if (s.cuda_device < 0) throw Error(ErrorCode::Unsupported, "cuda_ipc moves CUDA memory only");
   auto t = std::make_unique<CmaTransfer>(*this, next_transfer_++, std::move(spec), observer);
   transfers_[t->id] = t.get();
   std::string error;

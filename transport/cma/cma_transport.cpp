@@ -10,6 +10,7 @@
 #include "transport/cma/cma_internal.hpp"
 #include "transport/exposure_table.hpp"
 #ifdef FERRY_WITH_CUDA
+#include "transport/cma/cuda_ipc.hpp"
 #include "transport/cuda/copy_engine.hpp"
 #endif
 
@@ -87,7 +88,10 @@ CmaTransport::CmaTransport(uv_loop_t* loop, Defer defer, Options options)
   caps_.method = ipc() ? "cuda_ipc" : "cma";
   // cuda_ipc first: a copy by the GPU between two device memories beats any other way.
   caps_.rank = ipc() ? 400 : 200;
-  caps_.memory_kinds = bit(ipc() ? MemoryKind::cuda : MemoryKind::host);
+  // cuda_ipc: the owner's memory is CUDA (register_memory refuses host memory), the active
+  // side's either.
+  caps_.memory_kinds =
+      ipc() ? bit(MemoryKind::cuda) | bit(MemoryKind::host) : bit(MemoryKind::host);
   caps_.same_host_only = true;
   caps_.passive_cpu_free = true;
   if (options_.chunk_size == 0 || options_.parallel == 0)
@@ -202,16 +206,22 @@ void CmaTransport::close() {
 }
 
 std::shared_ptr<const Registration> CmaTransport::register_memory(const Region& region) {
+  // cuda_ipc: the active side's memory may be host memory too (the GPU copies to and from it).
+  if (!ipc() && region.kind != MemoryKind::host)
+    throw Error(ErrorCode::Unsupported, "cma moves host memory only");
+  return registrations_.acquire(region);
+}
+
+std::shared_ptr<const Registration> CmaTransport::register_exposed(const Region& region) {
   if (ipc()) {
     if (region.kind != MemoryKind::cuda)
-      throw Error(ErrorCode::Unsupported, "cuda_ipc moves CUDA memory only");
-    // Memory without a CUDA IPC handle is refused here, so the operation is not offered by
-    // this method (another one moves it).
+      throw Error(ErrorCode::Unsupported,
+                  "cuda_ipc shares CUDA memory only (host memory is the cma method's)");
+    // Memory that cannot be shared is refused here, so the operation is not offered by this
+    // method (another one moves it).
     (void)handles_of(Exposure{0, {}, Access::read, {region}});
-  } else if (region.kind != MemoryKind::host) {
-    throw Error(ErrorCode::Unsupported, "cma moves host memory only");
   }
-  return registrations_.acquire(region);
+  return register_memory(region);
 }
 
 #ifndef FERRY_WITH_CUDA

@@ -189,8 +189,9 @@ struct State {
   unsigned long long next_id = 0;
   CUmemGenericAllocationHandle next_handle = 0x1000;
   CUctx_st ctxs[kMaxDevices];
-  std::atomic<unsigned long long> counters[4] = {};  // h2d, d2h, d2d bytes; copies
+  std::atomic<unsigned long long> counters[4] = {};    // h2d, d2h, d2d bytes; copies
   std::atomic<unsigned long long> ipc_counts[2] = {};  // handles opened, closed
+  std::atomic<unsigned long long> vmm_imports{0};      // cuMemImportFromShareableHandle
 };
 
 // Never destroyed: stream threads and late callers may outlive static destructors.
@@ -976,6 +977,7 @@ FAKE_API CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationH
   BackingPtr b = adopt(fd);  // the caller keeps its fd
   if (!b) return CUDA_ERROR_INVALID_VALUE;
   State& s = st();
+  ++s.vmm_imports;
   std::lock_guard lock(s.mu);
   *handle = ++s.next_handle;
   s.handles[*handle] = {std::move(b), 1, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR};
@@ -1110,6 +1112,9 @@ FAKE_API CUresult CUDAAPI cuMemGetHandleForAddressRange(void* handle, CUdevicept
 FAKE_API void ferry_fake_cuda_counters(unsigned long long out[4]) {
   for (int i = 0; i < 4; ++i) out[i] = st().counters[i].load();
 }
+
+/// This process's imports of VMM allocations (cuMemImportFromShareableHandle).
+FAKE_API unsigned long long ferry_fake_cuda_vmm_imports() { return st().vmm_imports.load(); }
 
 /// This process's legacy IPC handles opened and closed (cuIpcOpenMemHandle, cuIpcCloseMemHandle).
 FAKE_API void ferry_fake_cuda_ipc_counts(unsigned long long out[2]) {
