@@ -144,8 +144,8 @@ std::vector<TransportFactory> transport_factories() {
 #endif
 #ifdef FERRY_WITH_CUDA
       {"cuda_ipc", make_cuda_ipc, 400, cuda_ipc_unavailable,
-       "CUDA memory on both sides; the peer another process on this host, in this PID "
-       "namespace, allowed to read this process",
+       "the exposed memory CUDA memory (the active side's CUDA or host); the peer another "
+       "process on this host, in this PID namespace, allowed to read this process",
        /*moves_cuda=*/true, /*moves_host=*/false},
 #endif
   };

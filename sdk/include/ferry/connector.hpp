@@ -42,7 +42,8 @@ struct MethodInfo {
   /// Whether it moves CUDA memory (descriptors on cuda:N) in this build, where the CUDA
   /// driver is usable.
   bool moves_cuda = false;
-  /// Whether it moves host memory: every method but cuda_ipc does.
+  /// Whether it moves host memory on both sides: every method but cuda_ipc does (cuda_ipc
+  /// copies the owner's CUDA memory to or from the active side's host memory, but exposes none).
   bool moves_host = true;
 };
 
