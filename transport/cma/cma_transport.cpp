@@ -12,6 +12,15 @@
 #ifdef FERRY_WITH_CUDA
 #include "transport/cma/cuda_ipc.hpp"
 #include "transport/cuda/copy_engine.hpp"
+#else
+// Without CUDA nothing makes these (there is no cuda_ipc mode); empty types let the members
+// that would hold them be destroyed.
+namespace ferry::transport::cuda {
+class CopyEngine {};
+}  // namespace ferry::transport::cuda
+namespace ferry::transport::cma {
+class VmmExports {};
+}  // namespace ferry::transport::cma
 #endif
 
 namespace ferry::transport::cma {
