@@ -331,6 +331,7 @@ TEST_F(CudaVerbs, CancelOfAStagedReadMidTransfer) {
   read.cancel();
   EXPECT_EQ(read.status(), OperationStatus::cancelled);
   EXPECT_EQ(read.method(), "verbs");
+  EXPECT_EQ(cuda::StagingPool::held_in_process(), 0u) << "cancel() kept staging chunks";
   // The destination is ours again: no RDMA or copy may land in it.
   dst.set(kSentinel);
   EXPECT_EQ(ended_with(readable), ErrorCode::Cancelled);
@@ -352,6 +353,7 @@ TEST_F(CudaVerbs, CancelOfAStagedWriteMidTransfer) {
   write.cancel();
   EXPECT_EQ(write.status(), OperationStatus::cancelled);
   EXPECT_EQ(write.method(), "verbs");
+  EXPECT_EQ(cuda::StagingPool::held_in_process(), 0u) << "cancel() kept staging chunks";
   EXPECT_EQ(ended_with(writable), ErrorCode::Cancelled);
   // The writable's memory is its owner's again: nothing may land in it.
   dst.set(kSentinel);
