@@ -206,6 +206,20 @@ TEST_F(CudaVerbs, AnAllocationTheDriverCannotExportIsStagedAlone) {
   EXPECT_GT(sim::counters().dmabuf_mrs, before.dmabuf_mrs);
 }
 
+// Without memory windows each exposed operation registers its device memory with remote access
+// of its own, by dmabuf too.
+TEST_F(CudaVerbs, WithoutMemoryWindowsDeviceMemoryIsRegisteredPerOperation) {
+  ConnectorOptions o = options("owner");
+  o.verbs.memory_windows = false;
+  Connector owner(o);
+  Connector peer(options("peer"));
+  for (bool reading : {true, false}) {
+    const auto before = sim::counters();
+    EXPECT_EQ(move(owner, peer, 0, 1, 3 * kMiB + 1, reading, reading ? 81 : 82), "verbs");
+    EXPECT_GT(sim::counters().dmabuf_mrs, before.dmabuf_mrs);
+  }
+}
+
 TEST_F(CudaVerbs, AnOwnerWhoseDeviceMemoryNoNicReachesDoesNotOfferVerbs) {
   fabric(false, false);
   Connector owner(options("owner"));
