@@ -5,6 +5,7 @@
 // an owner whose device memory no NIC reaches is served by tcp; cancel and deadlines
 // mid-transfer on the staging path; registrations cached, and not reused for freed memory.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <ferry/ferry.hpp>
 
@@ -18,6 +19,7 @@
 
 #include "sdk/src/transport_registry.hpp"
 #include "tests/cuda/device_memory.hpp"
+#include "tests/support/child_process.hpp"
 #include "tests/support/sim_verbs.hpp"
 #include "tests/support/simverbs/simverbs.hpp"
 #include "tests/support/util.hpp"
@@ -444,6 +446,41 @@ TEST_F(CudaVerbs, ARegistrationOfFreedDeviceMemoryIsNotReused) {
     EXPECT_EQ(read.method(), "verbs");
     EXPECT_EQ(dst.mismatch(70 + static_cast<std::uint64_t>(round)), -1) << "round " << round;
   }
+}
+
+// Another process (tests/support/peer_main.cpp, on the same fabric and simulated driver) reads
+// and writes our device memory by RDMA: the registration by dmabuf serves a peer's requests,
+// executed by this process's simulated NIC.
+TEST_F(CudaVerbs, AnotherProcessReadsAndWritesOurDeviceMemory) {
+  Connector parent(options("parent"));
+  test::ChildProcess child(
+      test::peer_command({"child"}),
+      {std::string(test::kSimVerbsEnv) + "=1",
+       "FERRY_SIMVERBS=" + sim::to_string(sim::current_config()), "FERRY_TRANSPORTS=tcp,verbs"});
+  constexpr std::size_t kSize = 5 * kMiB + 17;
+  const auto before = sim::counters();
+  {
+    Memory src(1, kSize);
+    src.fill(11);
+    auto readable = parent.create_readable({src.descriptor()});
+    child.send_line("read 11 " + readable.metadata().to_json());
+    EXPECT_EQ(child.read_line(120s), "DONE complete");
+    ASSERT_TRUE(readable.wait_for_completion(kWait));
+    EXPECT_EQ(readable.method(), "verbs");
+  }
+  {
+    Memory dst(0, kSize);
+    auto writable = parent.create_writable({dst.descriptor()});
+    child.send_line("write 12 " + writable.metadata().to_json());
+    EXPECT_EQ(child.read_line(120s), "DONE complete");
+    ASSERT_TRUE(writable.wait_for_completion(kWait));
+    EXPECT_EQ(writable.method(), "verbs");
+    EXPECT_EQ(dst.mismatch(12), -1);
+  }
+  EXPECT_GT(sim::counters().dmabuf_mrs, before.dmabuf_mrs);
+  child.send_line("quit");
+  int status = child.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
 }
 
 }  // namespace
