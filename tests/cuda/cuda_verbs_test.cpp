@@ -403,6 +403,29 @@ TEST_F(CudaVerbs, ADeadlineExpiresMidStagedTransfer) {
   EXPECT_NE(ended_with(writable), ErrorCode::Internal);
 }
 
+// The owner goes away mid-transfer: the staged read ends with an error, and nothing lands in
+// its memory once it has.
+TEST_F(CudaVerbs, AnOwnerThatGoesAwayEndsAStagedRead) {
+  fabric(false, false, 400);
+  auto owner = std::make_unique<Connector>(options("owner"));
+  Connector reader(options("reader"));
+  Memory src(-1, kBig);
+  Memory dst(1, kBig);
+  src.fill(9);
+  auto readable = owner->create_readable({src.descriptor()});
+  auto read = reader.begin_read(readable.metadata(), {dst.descriptor()});
+  ASSERT_TRUE(eventually([&] { return readable.status() == OperationStatus::in_progress; }));
+  std::this_thread::sleep_for(100ms);
+  owner.reset();
+  const ErrorCode code = ended_with(read);
+  EXPECT_TRUE(code == ErrorCode::PeerLost || code == ErrorCode::Cancelled ||
+              code == ErrorCode::AccessDenied)
+      << to_string(code);
+  dst.set(kSentinel);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_TRUE(dst.all(kSentinel)) << "a byte landed after the read ended";
+}
+
 // The cache keeps a device buffer's registration for later operations...
 TEST_F(CudaVerbs, RegistrationsOfDeviceMemoryAreCached) {
   Connector owner(options("owner"));
