@@ -120,9 +120,8 @@ std::shared_ptr<const Registration> VerbsTransport::acquire_cuda(const Region& r
       Region{reinterpret_cast<std::byte*>(base), size, MemoryKind::cuda, region.cuda_device});
 }
 
-void VerbsTransport::register_cuda(MrSet& set, const Region& region, int access) {
+void VerbsTransport::register_cuda(MrSet& set, int access) {
   if (cuda_ == nullptr) throw Error(ErrorCode::Unsupported, "verbs has no CUDA driver");
-  (void)region;
   const std::uint64_t end = set.base + set.size;
   for (std::uint64_t at = set.base; at < end;) {
     CUdeviceptr base = 0;
@@ -398,7 +397,7 @@ void VerbsTransport::close_cuda() {
 std::shared_ptr<const Registration> VerbsTransport::acquire_cuda(const Region&) {
   throw Error(ErrorCode::Unsupported, "verbs: this ferry was built without CUDA");
 }
-void VerbsTransport::register_cuda(MrSet&, const Region&, int) {
+void VerbsTransport::register_cuda(MrSet&, int) {
   throw Error(ErrorCode::Unsupported, "verbs: this ferry was built without CUDA");
 }
 std::string VerbsTransport::cuda_unreachable(const MrSet&) const { return {}; }

@@ -74,7 +74,7 @@ std::shared_ptr<MrSet> VerbsTransport::register_everywhere(const Region& region,
   set->size = region.size;
   for (auto& dev : devices_) set->devices.push_back({dev->pd, {}});
   if (region.kind == MemoryKind::cuda) {
-    register_cuda(*set, region, access);
+    register_cuda(*set, access);
     return set;
   }
   for (std::size_t d = 0; d < devices_.size(); ++d) {

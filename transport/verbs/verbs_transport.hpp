@@ -150,10 +150,10 @@ class VerbsTransport final : public Transport {
                        int access);
 
   // CUDA memory (verbs_cuda.cpp).
-  /// Registers the CUDA memory of `region` in `set`: by dmabuf, else by peermem, else marks
-  /// the set staged. Throws Error for memory the driver does not know or a way that worked
-  /// before and fails now.
-  void register_cuda(MrSet& set, const Region& region, int access);
+  /// Registers the CUDA memory `set` spans (base, size), each allocation by dmabuf, else by
+  /// peermem, else marks the set staged. Throws Error for memory the driver does not know or
+  /// a way that worked before and fails now.
+  void register_cuda(MrSet& set, int access);
   /// Registers [addr, addr + len) of the allocation [base, base + size) of CUDA device
   /// `ordinal` by the first way that works for it (dmabuf, peermem); false when none does.
   bool register_gpudirect(MrSet& set, int ordinal, std::uint64_t base, std::uint64_t size,
@@ -318,8 +318,8 @@ class VerbsTransport final : public Transport {
   /// The registration of each staging chunk, held as long as the pool.
   std::map<std::byte*, std::shared_ptr<const Registration>> chunk_regs_;
   bool chunk_wakeup_ = false;
-#endif
   std::uint64_t next_chunk_ = 1;
+#endif
   std::shared_ptr<int> life_ = std::make_shared<int>(0);
 };
 
