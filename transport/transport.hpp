@@ -160,6 +160,8 @@ class Transport {
   /// Serves `exposure` to the one peer that presents its token. Returns what a peer needs
   /// beyond the endpoint to reach this memory by this method (remote keys, say), put into the
   /// metadata's endpoint of this method as its `info`; empty when nothing is needed.
+  /// Throws Error(Unsupported) for memory this method can move only from the active side (the
+  /// operation is then not offered by this method).
   virtual std::string expose(const Exposure& exposure, ExposureObserver& observer) = 0;
   /// Ends serving exposure `id`: its token is dead, and a peer with requests under way is
   /// answered with `reason`. No effect if unknown.

@@ -125,6 +125,11 @@ std::unique_ptr<transport::Transport> make_verbs_transport(const TransportContex
   v.peer_timeout = o.peer_timeout;
   v.local_name = c.identity->name;
   v.local_id = std::stoull(c.identity->id, nullptr, 16);
+#ifdef FERRY_WITH_CUDA
+  // CUDA memory is registered with the NIC (dmabuf, peermem) or staged, where the driver is
+  // usable.
+  v.cuda = transport::cuda::usable_driver();
+#endif
   return std::make_unique<transport::verbs::VerbsTransport>(c.loop, c.defer, std::move(v));
 }
 #endif
@@ -140,7 +145,11 @@ std::vector<TransportFactory> transport_factories() {
        "the peer on this host, in this PID namespace, allowed to read this process"},
 #ifdef FERRY_WITH_VERBS
       {"verbs", make_verbs, 300, verbs_unavailable,
-       "an RDMA device on both hosts with a route between them (rdma_cm)"},
+       "an RDMA device on both hosts with a route between them (rdma_cm)",
+#ifdef FERRY_WITH_CUDA
+       /*moves_cuda=*/true
+#endif
+      },
 #endif
 #ifdef FERRY_WITH_CUDA
       {"cuda_ipc", make_cuda_ipc, 400, cuda_ipc_unavailable,

@@ -33,7 +33,8 @@
 //   until cuMemSetAccess (PROT_READ allows reads only). The address hint of
 //   cuMemAddressReserve is ignored.
 // - cuMemGetHandleForAddressRange (dmabuf): a dup of the whole allocation's memfd; the range's
-//   bytes are at file offset (ptr - allocation base), not at offset 0.
+//   bytes are at file offset (ptr - allocation base), not at offset 0. The range may end with
+//   the page of the allocation's last byte, but may not take in pages another allocation shares.
 // - A forked child keeps its parent's state (unlike the real driver, which cannot be used after
 //   fork): the parent's device memory is shared with it, its streams are gone.
 
@@ -1097,7 +1098,12 @@ FAKE_API CUresult CUDAAPI cuMemGetHandleForAddressRange(void* handle, CUdevicept
   State& s = st();
   std::lock_guard lock(s.mu);
   auto it = containing_mapping(s, ptr);
-  if (it == s.mappings.end() || size > it->second.size - (ptr - it->first))
+  // The page-aligned range around an allocation's last byte may be exported, unless another
+  // allocation shares those pages (small ones are packed 512 bytes apart): one memfd cannot
+  // stand for two allocations. The real driver exports such pages; the simulation refuses.
+  if (it == s.mappings.end() || size > align_up(it->second.size, page_size()) - (ptr - it->first))
+    return CUDA_ERROR_INVALID_VALUE;
+  if (auto next = std::next(it); next != s.mappings.end() && next->first < ptr + size)
     return CUDA_ERROR_INVALID_VALUE;
   int fd = dup_fd(it->second.backing->fd);
   if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
