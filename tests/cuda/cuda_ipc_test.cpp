@@ -103,6 +103,25 @@ class CudaIpc : public ::testing::Test {
   RdmaMetadata child_shares(const std::string& kind, std::uint64_t seed) {
     return child_->shares(kind, seed);
   }
+  /// We read SIZE bytes the child exposes on device `theirs.first` into our memory on `ours`
+  /// (-1: host), then write ours into a writable of the child's on `theirs.second`; the bytes
+  /// are checked on both sides (seeds `seed` and `seed + 1`).
+  void read_then_write(Connector& us, int ours, std::pair<int, int> theirs, std::size_t size,
+                       std::uint64_t seed, const std::string& how = "legacy") {
+    RdmaMetadata readable = child_exposes("read", theirs.first, size, seed, how);
+    Memory into(ours, size);
+    auto read = us.begin_read(readable, {into.descriptor()});
+    ASSERT_TRUE(read.wait_for_completion(kWait));
+    EXPECT_EQ(into.mismatch(seed), -1);
+    EXPECT_EQ(answer(), "END complete -1");
+
+    RdmaMetadata writable = child_exposes("write", theirs.second, size, seed + 1, how);
+    Memory from(ours, size);
+    from.fill(seed + 1);
+    auto write = us.begin_write({from.descriptor()}, writable);
+    ASSERT_TRUE(write.wait_for_completion(kWait));
+    EXPECT_EQ(answer(), "END complete -1");  // the child found its pattern
+  }
 
   std::unique_ptr<test::PeerChild> child_;
 };
@@ -154,19 +173,7 @@ TEST_F(CudaIpc, OurHostMemoryReadsAndWritesTheChildsDeviceMemory) {
   Connector us(ipc_only("parent"));
   for (std::size_t size : {std::size_t{1}, (std::size_t{6} << 20) + 5}) {
     SCOPED_TRACE("size " + std::to_string(size));
-    RdmaMetadata readable = child_exposes("read", 1, size, 33);
-    Memory into(-1, size);
-    auto read = us.begin_read(readable, {into.descriptor()});
-    ASSERT_TRUE(read.wait_for_completion(kWait));
-    EXPECT_EQ(into.mismatch(33), -1);
-    EXPECT_EQ(answer(), "END complete -1");
-
-    RdmaMetadata writable = child_exposes("write", 0, size, 34);
-    Memory from(-1, size);
-    from.fill(34);
-    auto write = us.begin_write({from.descriptor()}, writable);
-    ASSERT_TRUE(write.wait_for_completion(kWait));
-    EXPECT_EQ(answer(), "END complete -1");
+    read_then_write(us, -1, {1, 0}, size, 33);
   }
   EXPECT_EQ(operations_by(us, "cuda_ipc"), 4u);
 }
@@ -175,19 +182,7 @@ TEST_F(CudaIpc, VmmAllocationsAreSharedThroughTheOwnersFds) {
   Connector us(ipc_only("parent"));
   const std::size_t size = (std::size_t{7} << 20) + 11;
   const auto imports = vmm_imports();
-  RdmaMetadata readable = child_exposes("read", 0, size, 35, "vmm");
-  Memory into(1, size);
-  auto read = us.begin_read(readable, {into.descriptor()});
-  ASSERT_TRUE(read.wait_for_completion(kWait));
-  EXPECT_EQ(into.mismatch(35), -1);
-  EXPECT_EQ(answer(), "END complete -1");
-
-  RdmaMetadata writable = child_exposes("write", 1, size, 36, "vmm");
-  Memory from(-1, size);
-  from.fill(36);
-  auto write = us.begin_write({from.descriptor()}, writable);
-  ASSERT_TRUE(write.wait_for_completion(kWait));
-  EXPECT_EQ(answer(), "END complete -1");
+  read_then_write(us, 1, {0, 1}, size, 35, "vmm");
   EXPECT_EQ(operations_by(us, "cuda_ipc"), 2u);
   EXPECT_EQ(vmm_imports() - imports, 2u);
 }

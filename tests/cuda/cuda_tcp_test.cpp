@@ -28,6 +28,7 @@ namespace {
 namespace cuda = transport::cuda;
 using test::api;
 using test::Memory;
+using test::Pieces;
 using namespace std::chrono_literals;
 using test::ended_with;
 using test::eventually;
@@ -98,28 +99,6 @@ INSTANTIATE_TEST_SUITE_P(All, CudaTcpPairs,
                                   std::to_string(std::get<2>(p.param)) +
                                   (std::get<3>(p.param) ? "_read" : "_write");
                          });
-
-/// Pieces of one patterned stream, each on its own memory.
-struct Pieces {
-  std::vector<std::unique_ptr<Memory>> memory;
-  std::vector<Descriptor> descriptors;
-  Pieces(const std::vector<std::pair<int, std::size_t>>& layout, std::uint64_t seed) {
-    std::uint64_t offset = 0;
-    for (auto [ordinal, size] : layout) {
-      auto& m = memory.emplace_back(std::make_unique<Memory>(ordinal, size));
-      if (seed != 0) m->fill(seed, offset);
-      descriptors.push_back(m->descriptor());
-      offset += size;
-    }
-  }
-  void expect_stream(std::uint64_t seed) const {
-    std::uint64_t offset = 0;
-    for (std::size_t i = 0; i < memory.size(); ++i) {
-      EXPECT_EQ(memory[i]->mismatch(seed, offset), -1) << "piece " << i;
-      offset += memory[i]->size();
-    }
-  }
-};
 
 TEST_F(CudaTcp, ScatterListsMixHostAndDeviceMemory) {
   Connector owner(test::tcp_only("owner"));

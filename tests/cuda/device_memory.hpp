@@ -9,6 +9,8 @@
 #include <ferry/ferry.hpp>
 
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "tests/support/patterns.hpp"
@@ -144,6 +146,28 @@ class Memory {
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;
   CUdeviceptr ptr_ = 0;
+};
+
+/// Pieces of one patterned stream, each on its own memory.
+struct Pieces {
+  std::vector<std::unique_ptr<Memory>> memory;
+  std::vector<Descriptor> descriptors;
+  Pieces(const std::vector<std::pair<int, std::size_t>>& layout, std::uint64_t seed) {
+    std::uint64_t offset = 0;
+    for (auto [ordinal, size] : layout) {
+      auto& m = memory.emplace_back(std::make_unique<Memory>(ordinal, size));
+      if (seed != 0) m->fill(seed, offset);
+      descriptors.push_back(m->descriptor());
+      offset += size;
+    }
+  }
+  void expect_stream(std::uint64_t seed) const {
+    std::uint64_t offset = 0;
+    for (std::size_t i = 0; i < memory.size(); ++i) {
+      EXPECT_EQ(memory[i]->mismatch(seed, offset), -1) << "piece " << i;
+      offset += memory[i]->size();
+    }
+  }
 };
 
 }  // namespace ferry::test
