@@ -47,18 +47,20 @@ void PassiveOperation::expose(const transport::Token& token) {
     for (const auto& t : core->transports) {
       if (!moves(*t)) continue;
       const std::size_t before = registrations_.size();
+      std::string info;
       try {
         for (const transport::Region& r : exposure.regions)
           registrations_.push_back(t->register_memory(r));
+        info = t->expose(exposure, *this);
       } catch (const Error& e) {
         // A method that cannot serve this particular memory (CUDA memory without an IPC
-        // handle, say) is not offered; the others are.
+        // handle; CUDA memory for cma, which moves it on its active side only) is not
+        // offered; the others are.
         if (e.code() != ErrorCode::Unsupported) throw;
         registrations_.resize(before);
         refusals += (refusals.empty() ? "" : "; ") + e.message();
         continue;
       }
-      std::string info = t->expose(exposure, *this);
       exposed_on_.push_back(t.get());
       for (const Endpoint& e : t->endpoints()) {
         m.endpoints.push_back(e);

@@ -68,7 +68,13 @@ transport::cma::CmaTransport::Options cma_options(const TransportContext& c) {
 std::unique_ptr<transport::Transport> make_cma(const TransportContext& c, std::string& why) {
   why = cma_unavailable(*c.options);
   if (!why.empty()) return nullptr;
-  return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, cma_options(c));
+  transport::cma::CmaTransport::Options cma = cma_options(c);
+#ifdef FERRY_WITH_CUDA
+  // CUDA memory of the active side is staged through pinned host buffers where the driver is
+  // usable.
+  cma.cuda = transport::cuda::usable_driver();
+#endif
+  return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, std::move(cma));
 }
 
 #ifdef FERRY_WITH_CUDA
@@ -136,8 +142,15 @@ std::vector<TransportFactory> transport_factories() {
 #else
       {"tcp", make_tcp, 100, {}, "a TCP route to the peer's listener"},
 #endif
+#ifdef FERRY_WITH_CUDA
+      // Its active side stages CUDA memory; it does not serve CUDA memory (cma_staging.cpp).
+      {"cma", make_cma, 200, cma_unavailable,
+       "the peer on this host, in this PID namespace, allowed to read this process",
+       /*moves_cuda=*/true},
+#else
       {"cma", make_cma, 200, cma_unavailable,
        "the peer on this host, in this PID namespace, allowed to read this process"},
+#endif
 #ifdef FERRY_WITH_VERBS
       {"verbs", make_verbs, 300, verbs_unavailable,
        "an RDMA device on both hosts with a route between them (rdma_cm)"},

@@ -88,6 +88,11 @@ CmaTransport::CmaTransport(uv_loop_t* loop, Defer defer, Options options)
   // cuda_ipc first: a copy by the GPU between two device memories beats any other way.
   caps_.rank = ipc() ? 400 : 200;
   caps_.memory_kinds = bit(ipc() ? MemoryKind::cuda : MemoryKind::host);
+#ifdef FERRY_WITH_CUDA
+  // CUDA memory of the active side is staged through pinned host chunks (cma_staging.cpp);
+  // the owner's memory is host memory still (expose() refuses CUDA memory).
+  if (!ipc() && options_.cuda != nullptr) caps_.memory_kinds |= bit(MemoryKind::cuda);
+#endif
   caps_.same_host_only = true;
   caps_.passive_cpu_free = true;
   if (options_.chunk_size == 0 || options_.parallel == 0)
@@ -172,6 +177,7 @@ void CmaTransport::close() {
     t->copy->halt();
 #ifdef FERRY_WITH_CUDA
     if (ipc()) cancel_copies(*t);
+    if (t->staged) drop_staged(*t);
 #endif
     t->finished = true;
     t->owner = nullptr;
@@ -179,6 +185,7 @@ void CmaTransport::close() {
   transfers_.clear();
 #ifdef FERRY_WITH_CUDA
   engine_.reset();
+  staging_.reset();  // every chunk is back (drop_staged above)
 #endif
   pending_.clear();
   // Peers may still copy under grants of exposures never revoked; the memory is the owner's
@@ -208,7 +215,7 @@ std::shared_ptr<const Registration> CmaTransport::register_memory(const Region& 
     // Memory without a CUDA IPC handle is refused here, so the operation is not offered by
     // this method (another one moves it).
     (void)handles_of(Exposure{0, {}, Access::read, {region}});
-  } else if (region.kind != MemoryKind::host) {
+  } else if (region.kind != MemoryKind::host && !caps_.moves(region.kind)) {
     throw Error(ErrorCode::Unsupported, "cma moves host memory only");
   }
   return registrations_.acquire(region);
