@@ -84,11 +84,13 @@ TEST_F(NoCudaDriver, HostMemoryMovesAsBefore) {
 }
 
 TEST(NoCudaDriverMethods, TcpAndCudaIpcSayTheyMoveCuda) {
-  // Built with CUDA, tcp stages CUDA memory and cuda_ipc copies it where the driver is usable
-  // (the refusals above come from the missing driver); built without, no method moves it.
+  // Built with CUDA, tcp and cma stage CUDA memory (cma on its active side only) and cuda_ipc
+  // copies it where the driver is usable (the refusals above come from the missing driver);
+  // built without, no method moves it.
   for (const MethodInfo& m : probe_methods()) {
 #ifdef FERRY_WITH_CUDA
-    EXPECT_EQ(m.moves_cuda, m.method == "tcp" || m.method == "cuda_ipc") << m.method;
+    EXPECT_EQ(m.moves_cuda, m.method == "tcp" || m.method == "cma" || m.method == "cuda_ipc")
+        << m.method;
     if (m.method == "cuda_ipc") {
       EXPECT_FALSE(m.available);
       EXPECT_NE(m.detail.find("no CUDA driver"), std::string::npos) << m.detail;
