@@ -40,7 +40,7 @@ struct MethodInfo {
   /// it needs of a peer when it is.
   std::string detail;
   /// Whether it moves CUDA memory (descriptors on cuda:N) in this build, where the CUDA
-  /// driver is usable.
+  /// driver is usable; cma moves it on its active side only (it serves host memory).
   bool moves_cuda = false;
   /// Whether it moves host memory: every method but cuda_ipc does.
   bool moves_host = true;
