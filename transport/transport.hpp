@@ -150,10 +150,18 @@ class Transport {
   /// it. The registration lasts while the handle lives (and the cache may keep it longer).
   /// Throws Error(Unsupported) for memory this method cannot move.
   virtual std::shared_ptr<const Registration> register_memory(const Region& region) = 0;
+  /// The same for memory a peer is to reach (a passive operation's): a method may move memory
+  /// on the active side that it cannot let peers reach (cuda_ipc shares CUDA memory only, but
+  /// copies it to or from host memory of the active side's).
+  virtual std::shared_ptr<const Registration> register_exposed(const Region& region) {
+    return register_memory(region);
+  }
 
   /// Serves `exposure` to the one peer that presents its token. Returns what a peer needs
   /// beyond the endpoint to reach this memory by this method (remote keys, say), put into the
   /// metadata's endpoint of this method as its `info`; empty when nothing is needed.
+  /// Throws Error(Unsupported) for memory this method can move only from the active side (the
+  /// operation is then not offered by this method).
   virtual std::string expose(const Exposure& exposure, ExposureObserver& observer) = 0;
   /// Ends serving exposure `id`: its token is dead, and a peer with requests under way is
   /// answered with `reason`. No effect if unknown.

@@ -189,7 +189,8 @@ PointResult Initiator::run(PointSpec spec) {
   r.inflight = spec.inflight;
   r.threads = spec.threads;
 
-  if (auto why = unavailable_reason(spec.method, options_.nats_url); !why.empty()) {
+  if (auto why = unavailable_reason(spec.method, options_.nats_url, spec.initiator_device, false);
+      !why.empty()) {
     r.skipped = "initiator: " + why;
     return r;
   }

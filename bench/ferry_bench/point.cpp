@@ -231,12 +231,17 @@ ferry::ConnectorOptions connector_options(const std::string& method, const std::
   return o;
 }
 
-std::string unavailable_reason(const std::string& method, const std::string& nats_url) {
+std::string unavailable_reason(const std::string& method, const std::string& nats_url, int device,
+                               bool exposed) {
   for (const ferry::MethodInfo& m :
        ferry::probe_methods(connector_options(method, nats_url, "ferry-bench"))) {
     if (m.method != method) continue;
-    if (m.available) return {};
-    return m.detail.empty() ? "not available here" : m.detail;
+    if (!m.available) return m.detail.empty() ? "not available here" : m.detail;
+    if (device >= 0 && !m.moves_cuda)
+      return method + " does not move CUDA memory (cuda:" + std::to_string(device) + ") here";
+    // moves_host false (cuda_ipc): host memory on the initiator's side only.
+    if (device < 0 && !m.moves_host && exposed) return method + " does not expose host memory";
+    return {};
   }
   return "not built into this version of ferry";
 }

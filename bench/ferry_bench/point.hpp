@@ -118,9 +118,12 @@ Mismatch verify_pattern(const std::vector<ferry::Descriptor>& stream, std::uint6
 /// where Yama would hide it (ptracer_any): the benchmark wants every method it is asked for.
 ferry::ConnectorOptions connector_options(const std::string& method, const std::string& nats_url,
                                           const std::string& name);
-/// Empty when a connector made with connector_options(method) offers `method` here; else why
-/// not, as ferry::probe_methods says.
-std::string unavailable_reason(const std::string& method, const std::string& nats_url);
+/// Empty when a connector made with connector_options(method) offers `method` here and it moves
+/// memory of `device` (-1: host memory, else cuda:N) on that side (`exposed`: the target's,
+/// which a peer reaches; else the initiator's); else why not, as ferry::probe_methods says (a
+/// method that does not move such memory would refuse the point's operations).
+std::string unavailable_reason(const std::string& method, const std::string& nats_url, int device,
+                               bool exposed);
 
 /// "4K" -> 4096 (K, M, G: powers of 1024). Throws std::invalid_argument.
 std::size_t parse_size(const std::string& text);

@@ -305,7 +305,8 @@ int run_target(const Options& options) {
       point.reset();
       PointSpec spec = PointSpec::from_json(request.at("point"));
       if (spec.session != options.session) throw std::runtime_error("wrong session");
-      if (auto why = unavailable_reason(spec.method, options.nats_url); !why.empty())
+      if (auto why = unavailable_reason(spec.method, options.nats_url, spec.target_device, true);
+          !why.empty())
         return {json{{"skipped", "target: " + why}}, {}};
       auto& connector = connectors[spec.method];
       if (!connector) {

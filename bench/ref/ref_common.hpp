@@ -163,14 +163,17 @@ class JsonObject {
     add(key + "max_us", p.max_us);
     return add(key + "mean_us", p.mean_us);
   }
-  void print() const { std::printf("{%s}\n", body_.c_str()); }
-
- private:
+  /// A value that is JSON already (an array, a nested object).
   JsonObject& raw(const std::string& key, const std::string& value) {
     if (!body_.empty()) body_ += ", ";
     body_ += "\"" + key + "\": " + value;
     return *this;
   }
+  /// The members, without the braces.
+  const std::string& text() const { return body_; }
+  void print() const { std::printf("{%s}\n", body_.c_str()); }
+
+ private:
   std::string body_;
 };
 

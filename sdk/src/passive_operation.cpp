@@ -50,12 +50,11 @@ void PassiveOperation::expose(const transport::Token& token) {
       std::string info;
       try {
         for (const transport::Region& r : exposure.regions)
-          registrations_.push_back(t->register_memory(r));
+          registrations_.push_back(t->register_exposed(r));
         info = t->expose(exposure, *this);
       } catch (const Error& e) {
         // A method that cannot serve this particular memory (CUDA memory without an IPC
-        // handle; CUDA memory for cma, which moves it on its active side only) is not
-        // offered; the others are.
+        // handle, or that an RDMA device cannot reach, say) is not offered; the others are.
         if (e.code() != ErrorCode::Unsupported) throw;
         registrations_.resize(before);
         refusals += (refusals.empty() ? "" : "; ") + e.message();

@@ -131,6 +131,11 @@ std::unique_ptr<transport::Transport> make_verbs_transport(const TransportContex
   v.peer_timeout = o.peer_timeout;
   v.local_name = c.identity->name;
   v.local_id = std::stoull(c.identity->id, nullptr, 16);
+#ifdef FERRY_WITH_CUDA
+  // CUDA memory is registered with the NIC (dmabuf, peermem) or staged, where the driver is
+  // usable.
+  v.cuda = transport::cuda::usable_driver();
+#endif
   return std::make_unique<transport::verbs::VerbsTransport>(c.loop, c.defer, std::move(v));
 }
 #endif
@@ -142,23 +147,21 @@ std::vector<TransportFactory> transport_factories() {
 #else
       {"tcp", make_tcp, 100, {}, "a TCP route to the peer's listener"},
 #endif
-#ifdef FERRY_WITH_CUDA
-      // Its active side stages CUDA memory; it does not serve CUDA memory (cma_staging.cpp).
-      {"cma", make_cma, 200, cma_unavailable,
-       "the peer on this host, in this PID namespace, allowed to read this process",
-       /*moves_cuda=*/true},
-#else
+      // moves_cuda false: it stages CUDA memory of its active side, but exposes none.
       {"cma", make_cma, 200, cma_unavailable,
        "the peer on this host, in this PID namespace, allowed to read this process"},
-#endif
 #ifdef FERRY_WITH_VERBS
       {"verbs", make_verbs, 300, verbs_unavailable,
-       "an RDMA device on both hosts with a route between them (rdma_cm)"},
+       "an RDMA device on both hosts with a route between them (rdma_cm)",
+#ifdef FERRY_WITH_CUDA
+       /*moves_cuda=*/true
+#endif
+      },
 #endif
 #ifdef FERRY_WITH_CUDA
       {"cuda_ipc", make_cuda_ipc, 400, cuda_ipc_unavailable,
-       "CUDA memory on both sides; the peer another process on this host, in this PID "
-       "namespace, allowed to read this process",
+       "the exposed memory CUDA memory (the active side's CUDA or host); the peer another "
+       "process on this host, in this PID namespace, allowed to read this process",
        /*moves_cuda=*/true, /*moves_host=*/false},
 #endif
   };

@@ -83,13 +83,13 @@ TEST_F(NoCudaDriver, HostMemoryMovesAsBefore) {
   EXPECT_EQ(test::first_mismatch(b_.data(), b_.size(), 7), -1);
 }
 
-TEST(NoCudaDriverMethods, TcpAndCudaIpcSayTheyMoveCuda) {
-  // Built with CUDA, tcp and cma stage CUDA memory (cma on its active side only) and cuda_ipc
-  // copies it where the driver is usable (the refusals above come from the missing driver);
-  // built without, no method moves it.
+TEST(NoCudaDriverMethods, TcpCudaIpcAndVerbsSayTheyMoveCuda) {
+  // Built with CUDA, tcp stages CUDA memory, cuda_ipc copies it and verbs registers or stages
+  // it where the driver is usable (the refusals above come from the missing driver); built
+  // without, no method moves it.
   for (const MethodInfo& m : probe_methods()) {
 #ifdef FERRY_WITH_CUDA
-    EXPECT_EQ(m.moves_cuda, m.method == "tcp" || m.method == "cma" || m.method == "cuda_ipc")
+    EXPECT_EQ(m.moves_cuda, m.method == "tcp" || m.method == "cuda_ipc" || m.method == "verbs")
         << m.method;
     if (m.method == "cuda_ipc") {
       EXPECT_FALSE(m.available);

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "tests/cuda/device_memory.hpp"
-#include "tests/support/child_process.hpp"
+#include "tests/cuda/peer_child.hpp"
 #include "tests/support/util.hpp"
 
 namespace ferry {
@@ -62,6 +62,16 @@ std::pair<unsigned long long, unsigned long long> ipc_counts() {
   return {out[0], out[1]};
 }
 
+/// This process's imports of VMM allocations, as the simulated driver counts them.
+unsigned long long vmm_imports() {
+  void* lib = ::dlopen(FERRY_FAKE_CUDA_PATH, RTLD_NOW | RTLD_NOLOAD);
+  auto fn = reinterpret_cast<unsigned long long (*)()>(
+      lib != nullptr ? ::dlsym(lib, "ferry_fake_cuda_vmm_imports") : nullptr);
+  const unsigned long long n = fn != nullptr ? fn() : 0;
+  if (lib != nullptr) ::dlclose(lib);
+  return n;
+}
+
 std::uint64_t operations_by(const Connector& c, const std::string& method) {
   for (const MethodStats& m : c.stats().methods)
     if (m.method == method) return m.complete.operations;
@@ -70,87 +80,7 @@ std::uint64_t operations_by(const Connector& c, const std::string& method) {
 
 // ---- The other process ------------------------------------------------------------------
 
-/// Commands, one per line; every answer starts with "IPC " (gtest writes to stdout too):
-///   expose read|write DEVICE SIZE SEED   a readable filled with SEED, or a writable; answers
-///                                        "IPC META <json>", then "IPC END <status> <mismatch>"
-///                                        (first byte not of SEED's pattern, -1: none)
-///   begin read|write DEVICE SEED <json>  the active side on our metadata, same END answer
-///   hold DEVICE SIZE                     allocates SIZE bytes and keeps them; "IPC HELD"
-///   free                                 frees them; "IPC FREED"
-///   quit
-TEST(CudaIpcChild, DISABLED_Serve) {
-  Connector us(ipc_only("child"));
-  std::unique_ptr<Memory> held;
-  std::string line;
-  while (std::getline(std::cin, line)) {
-    std::istringstream in(line);
-    std::string command, kind;
-    int device = 0;
-    in >> command;
-    if (command == "quit") break;
-    if (command == "hold") {
-      std::size_t size = 0;
-      in >> device >> size;
-      held = std::make_unique<Memory>(device, size);
-      std::cout << "IPC HELD" << std::endl;
-      continue;
-    }
-    if (command == "free") {
-      held.reset();
-      std::cout << "IPC FREED" << std::endl;
-      continue;
-    }
-    in >> kind >> device;
-    std::string status = "complete";
-    long long mismatch = -1;
-    if (command == "expose") {
-      std::size_t size = 0;
-      std::uint64_t seed = 0;
-      in >> size >> seed;
-      Memory memory(device, size);
-      Operation* op = nullptr;
-      ReadableOperation readable;
-      WritableOperation writable;
-      if (kind == "read") {
-        memory.fill(seed);
-        readable = us.create_readable({memory.descriptor()});
-        op = &readable;
-        std::cout << "IPC META " << readable.metadata().to_json() << std::endl;
-      } else {
-        writable = us.create_writable({memory.descriptor()});
-        op = &writable;
-        std::cout << "IPC META " << writable.metadata().to_json() << std::endl;
-      }
-      try {
-        if (!op->wait_for_completion(kWait)) status = "timeout";
-      } catch (const Error& e) {
-        status = std::string(to_string(e.code()));
-      }
-      if (kind == "write" && status == "complete") mismatch = memory.mismatch(seed);
-    } else {
-      std::uint64_t seed = 0;
-      std::string json;
-      in >> seed;
-      std::getline(in >> std::ws, json);
-      const RdmaMetadata remote = RdmaMetadata::from_json(json);
-      Memory memory(device, remote.total_size());
-      try {
-        if (kind == "read") {
-          auto read = us.begin_read(remote, {memory.descriptor()});
-          if (!read.wait_for_completion(kWait)) status = "timeout";
-          mismatch = memory.mismatch(seed);
-        } else {
-          memory.fill(seed);
-          auto write = us.begin_write({memory.descriptor()}, remote);
-          if (!write.wait_for_completion(kWait)) status = "timeout";
-        }
-      } catch (const Error& e) {
-        status = std::string(to_string(e.code()));
-      }
-    }
-    std::cout << "IPC END " << status << " " << mismatch << std::endl;
-  }
-}
+TEST(CudaIpcChild, DISABLED_Serve) { test::serve_peer_commands(ipc_only("child"), kWait); }
 
 // ---- The tests ---------------------------------------------------------------------------
 
@@ -160,36 +90,21 @@ class CudaIpc : public ::testing::Test {
     ASSERT_TRUE(kFakeDriver);
     if (const std::string why = ipc_missing(); !why.empty())
       GTEST_SKIP() << "cuda_ipc is not offered here: " << why;
-    char exe[PATH_MAX] = {};
-    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
-    ASSERT_GT(n, 0);
-    child_ = std::make_unique<test::ChildProcess>(std::vector<std::string>{
-        exe, "--gtest_also_run_disabled_tests", "--gtest_filter=CudaIpcChild.DISABLED_Serve"});
+    child_ = std::make_unique<test::PeerChild>("CudaIpcChild.DISABLED_Serve");
   }
   void TearDown() override {
-    if (!child_) return;
-    child_->send_line("quit");
-    const int status = child_->wait();
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+    if (child_) child_->finish();
   }
-  /// The child's next answer, without "IPC ".
-  std::string answer(std::chrono::milliseconds timeout = 60s) {
-    for (;;) {
-      std::string line = child_->read_line(timeout);
-      if (line.rfind("IPC ", 0) == 0) return line.substr(4);
-    }
-  }
-  /// The child exposes SIZE bytes of its device memory; returns the metadata.
+  std::string answer() { return child_->answer(); }
   RdmaMetadata child_exposes(const std::string& kind, int device, std::size_t size,
-                             std::uint64_t seed) {
-    child_->send_line("expose " + kind + " " + std::to_string(device) + " " + std::to_string(size) +
-                      " " + std::to_string(seed));
-    const std::string meta = answer();
-    EXPECT_EQ(meta.rfind("META ", 0), 0u) << meta;
-    return RdmaMetadata::from_json(meta.substr(5));
+                             std::uint64_t seed, const std::string& how = "legacy") {
+    return child_->exposes(kind, device, size, seed, how);
+  }
+  RdmaMetadata child_shares(const std::string& kind, std::uint64_t seed) {
+    return child_->shares(kind, seed);
   }
 
-  std::unique_ptr<test::ChildProcess> child_;
+  std::unique_ptr<test::PeerChild> child_;
 };
 
 TEST_F(CudaIpc, TheChildReadsAndWritesOurDeviceMemory) {
@@ -231,6 +146,91 @@ TEST_F(CudaIpc, WeReadAndWriteTheChildsDeviceMemory) {
   ASSERT_TRUE(write.wait_for_completion(kWait));
   EXPECT_EQ(answer(), "END complete -1");  // the child found its pattern
   EXPECT_EQ(operations_by(us, "cuda_ipc"), 2u);
+}
+
+TEST_F(CudaIpc, OurHostMemoryReadsAndWritesTheChildsDeviceMemory) {
+  // The owner's memory is CUDA, ours host: the GPU copies between the opened allocation and
+  // our memory.
+  Connector us(ipc_only("parent"));
+  for (std::size_t size : {std::size_t{1}, (std::size_t{6} << 20) + 5}) {
+    SCOPED_TRACE("size " + std::to_string(size));
+    RdmaMetadata readable = child_exposes("read", 1, size, 33);
+    Memory into(-1, size);
+    auto read = us.begin_read(readable, {into.descriptor()});
+    ASSERT_TRUE(read.wait_for_completion(kWait));
+    EXPECT_EQ(into.mismatch(33), -1);
+    EXPECT_EQ(answer(), "END complete -1");
+
+    RdmaMetadata writable = child_exposes("write", 0, size, 34);
+    Memory from(-1, size);
+    from.fill(34);
+    auto write = us.begin_write({from.descriptor()}, writable);
+    ASSERT_TRUE(write.wait_for_completion(kWait));
+    EXPECT_EQ(answer(), "END complete -1");
+  }
+  EXPECT_EQ(operations_by(us, "cuda_ipc"), 4u);
+}
+
+TEST_F(CudaIpc, VmmAllocationsAreSharedThroughTheOwnersFds) {
+  Connector us(ipc_only("parent"));
+  const std::size_t size = (std::size_t{7} << 20) + 11;
+  const auto imports = vmm_imports();
+  RdmaMetadata readable = child_exposes("read", 0, size, 35, "vmm");
+  Memory into(1, size);
+  auto read = us.begin_read(readable, {into.descriptor()});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  EXPECT_EQ(into.mismatch(35), -1);
+  EXPECT_EQ(answer(), "END complete -1");
+
+  RdmaMetadata writable = child_exposes("write", 1, size, 36, "vmm");
+  Memory from(-1, size);
+  from.fill(36);
+  auto write = us.begin_write({from.descriptor()}, writable);
+  ASSERT_TRUE(write.wait_for_completion(kWait));
+  EXPECT_EQ(answer(), "END complete -1");
+  EXPECT_EQ(operations_by(us, "cuda_ipc"), 2u);
+  EXPECT_EQ(vmm_imports() - imports, 2u);
+}
+
+TEST_F(CudaIpc, AVmmAllocationIsImportedOnceAndAgainWhenFreedAndMadeAgain) {
+  Connector us(ipc_only("parent"));
+  const std::size_t size = std::size_t{4} << 20;
+  Memory into(0, size);
+  const auto imports = vmm_imports();
+  child_->send_line("hold 0 " + std::to_string(size) + " vmm");
+  ASSERT_EQ(answer(), "HELD");
+  std::uint64_t base = 0;
+  for (std::uint64_t seed : {71, 72}) {
+    RdmaMetadata readable = child_shares("read", seed);
+    base = readable.descriptors[0].ptr;
+    auto read = us.begin_read(readable, {into.descriptor()});
+    ASSERT_TRUE(read.wait_for_completion(kWait));
+    EXPECT_EQ(into.mismatch(seed), -1);
+    EXPECT_EQ(answer(), "END complete -1");
+  }
+  EXPECT_EQ(vmm_imports() - imports, 1u);  // one allocation, imported once
+  // Freed, and another made at the same address with other bytes: imported again, and no
+  // byte read through the old mapping.
+  child_->send_line("free");
+  ASSERT_EQ(answer(), "FREED");
+  child_->send_line("hold 0 " + std::to_string(size) + " vmm");
+  ASSERT_EQ(answer(), "HELD");
+  RdmaMetadata readable = child_shares("read", 73);
+  EXPECT_EQ(readable.descriptors[0].ptr, base);
+  auto read = us.begin_read(readable, {into.descriptor()});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  EXPECT_EQ(into.mismatch(73), -1);
+  EXPECT_EQ(answer(), "END complete -1");
+  EXPECT_EQ(vmm_imports() - imports, 2u);
+}
+
+TEST_F(CudaIpc, AVmmAllocationWithoutAShareableHandleIsNotOffered) {
+  child_->send_line("expose read 0 4096 37 vmm-no-export");
+  const std::string refused = answer();
+  // The child offers cuda_ipc only, and cuda_ipc cannot share this memory: the expose fails,
+  // saying why (with another method, tcp, say, the operation would go that way).
+  EXPECT_EQ(refused.rfind("REFUSED ", 0), 0u) << refused;
+  EXPECT_NE(refused.find("requestedHandleTypes"), std::string::npos) << refused;
 }
 
 TEST_F(CudaIpc, AnAllocationIsOpenedOnceAndAgainWhenFreedAndMadeAgain) {

@@ -24,11 +24,19 @@ inline const cuda::CudaApi& api() {
   return *a;
 }
 
+/// How device memory is made.
+enum class Alloc {
+  legacy,         ///< cuMemAlloc
+  vmm,            ///< cuMemCreate (exportable as a POSIX fd), reserved and mapped
+  vmm_no_export,  ///< cuMemCreate without a shareable handle type
+};
+
 /// `size` bytes of host memory (ordinal -1) or of device `ordinal`, filled and checked
 /// through the driver's synchronous copies.
 class Memory {
  public:
-  Memory(int ordinal, std::size_t size) : ordinal_(ordinal), size_(size) {
+  Memory(int ordinal, std::size_t size, Alloc how = Alloc::legacy)
+      : ordinal_(ordinal), size_(size), how_(how) {
     if (ordinal_ < 0) {
       host_ = test::buffer(size_);
       return;
@@ -36,14 +44,42 @@ class Memory {
     EXPECT_EQ(api().device_get(&dev_, ordinal_), CUDA_SUCCESS);
     EXPECT_EQ(api().device_primary_ctx_retain(&ctx_, dev_), CUDA_SUCCESS);
     cuda::ScopedContext scope(api(), ctx_);
-    EXPECT_EQ(api().mem_alloc(&ptr_, size_), CUDA_SUCCESS);
+    if (how_ == Alloc::legacy) {
+      EXPECT_EQ(api().mem_alloc(&ptr_, size_), CUDA_SUCCESS);
+    } else {
+      CUmemAllocationProp prop{};
+      prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      prop.location.id = ordinal_;
+      prop.requestedHandleTypes =
+          how_ == Alloc::vmm ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+      std::size_t grain = 0;
+      EXPECT_EQ(
+          api().mem_get_allocation_granularity(&grain, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+          CUDA_SUCCESS);
+      mapped_ = (size_ + grain - 1) / grain * grain;
+      CUmemGenericAllocationHandle handle = 0;
+      EXPECT_EQ(api().mem_create(&handle, mapped_, &prop, 0), CUDA_SUCCESS);
+      EXPECT_EQ(api().mem_address_reserve(&ptr_, mapped_, 0, 0, 0), CUDA_SUCCESS);
+      EXPECT_EQ(api().mem_map(ptr_, mapped_, 0, handle, 0), CUDA_SUCCESS);
+      EXPECT_EQ(api().mem_release(handle), CUDA_SUCCESS);  // the mapping holds it
+      CUmemAccessDesc access{};
+      access.location = prop.location;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      EXPECT_EQ(api().mem_set_access(ptr_, mapped_, &access, 1), CUDA_SUCCESS);
+    }
     EXPECT_EQ(api().memset_d8(ptr_, 0, size_), CUDA_SUCCESS);
   }
   ~Memory() {
     if (ordinal_ < 0) return;
     {
       cuda::ScopedContext scope(api(), ctx_);
-      (void)api().mem_free(ptr_);
+      if (how_ == Alloc::legacy) {
+        (void)api().mem_free(ptr_);
+      } else {
+        (void)api().mem_unmap(ptr_, mapped_);
+        (void)api().mem_address_free(ptr_, mapped_);
+      }
     }
     (void)api().device_primary_ctx_release(dev_);
   }
@@ -102,6 +138,8 @@ class Memory {
 
   int ordinal_;
   std::size_t size_;
+  Alloc how_;
+  std::size_t mapped_ = 0;  // VMM: size_ rounded up to the granularity
   std::vector<std::byte> host_;
   CUdevice dev_ = 0;
   CUcontext ctx_ = nullptr;

@@ -63,6 +63,10 @@ class FaultyTransport final : public transport::Transport {
       const transport::Region& region) override {
     return inner_->register_memory(region);
   }
+  std::shared_ptr<const transport::Registration> register_exposed(
+      const transport::Region& region) override {
+    return inner_->register_exposed(region);
+  }
   std::string expose(const transport::Exposure& exposure,
                      transport::ExposureObserver& observer) override {
     return inner_->expose(exposure, observer);

@@ -297,7 +297,9 @@ json methods_facts(const Args& args) {
     if (m["available"].get<bool>()) offered.push_back(m["method"].get<std::string>());
   json memory = json::array({
 #ifdef FERRY_INFO_WITH_CUDA
-      {{"kind", "host"}, {"supported", true}, {"detail", "moved by every method but cuda_ipc"}},
+      {{"kind", "host"},
+       {"supported", true},
+       {"detail", "moved by every method (by cuda_ipc to or from the peer's CUDA memory only)"}},
 #else
       {{"kind", "host"}, {"supported", true}, {"detail", "moved by every method"}},
 #endif

@@ -92,9 +92,6 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
   OwnerInfo info;
   if (auto e = parse_endpoint(spec.endpoint, info)) throw *e;
-  if (ipc())
-    for (const Segment& s : spec.segments)
-      if (s.cuda_device < 0) throw Error(ErrorCode::Unsupported, "cuda_ipc moves CUDA memory only");
   const bool staged = !ipc() && std::any_of(spec.segments.begin(), spec.segments.end(),
                                             [](const Segment& s) { return s.cuda_device >= 0; });
   if (staged && !caps_.moves(MemoryKind::cuda))

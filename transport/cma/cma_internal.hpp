@@ -24,8 +24,8 @@ namespace ferry::transport::cma {
 inline constexpr std::uint64_t kMaxClaimBytes = 4u << 20;
 /// The tag of exposure `id`'s HANDLES frame (operation ids never have bit 63).
 constexpr std::uint64_t handles_tag(std::uint64_t id) noexcept { return id | (1ull << 63); }
-/// Most bytes of IPC handles one HANDLES frame carries (cuda_ipc.hpp: kMaxIpcRanges of 80).
-inline constexpr std::uint64_t kMaxHandleBytes = 80u << 16;
+/// Most bytes of IPC handles one HANDLES frame carries (cuda_ipc.hpp: kMaxIpcRanges of 112).
+inline constexpr std::uint64_t kMaxHandleBytes = 112u << 16;
 
 /// What a cma endpoint's `info` says about its owner (JSON, see docs/protocol.md).
 struct OwnerInfo {

@@ -13,13 +13,6 @@ namespace ferry::transport::cma {
 
 std::string CmaTransport::expose(const Exposure& exposure, ExposureObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  // cma stages CUDA memory of the active side only: a peer's process_vm_readv/writev cannot
-  // reach this process's device memory (cuda_ipc or tcp serves it).
-  if (!ipc())
-    for (const Region& r : exposure.regions)
-      if (r.kind != MemoryKind::host)
-        throw Error(ErrorCode::Unsupported,
-                    "cma does not serve CUDA memory (process_vm_readv/writev cannot reach it)");
   exposures_.add(exposure, observer);
   return info_;
 }

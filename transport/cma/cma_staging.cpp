@@ -2,7 +2,8 @@
 // transfer's CUDA segments pass through pinned host chunks of chunk_size bytes
 // (cuda::StagingPool), copied to and from the device on its stream (cuda::CopyEngine) while
 // other chunks are copied to or from the owner on libuv's pool. The owner's memory is host
-// memory: cma does not serve CUDA memory (expose() refuses it; cuda_ipc or tcp moves it).
+// memory: cma does not serve CUDA memory (register_exposed refuses it; cuda_ipc or tcp moves
+// it).
 //
 // Read, per unit: a pool job copies the owner's ranges into the chunk (under the grant, as any
 // job), then the chunk is copied to the device; the unit is done, and its chunk goes back, when

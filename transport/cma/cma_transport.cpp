@@ -10,7 +10,17 @@
 #include "transport/cma/cma_internal.hpp"
 #include "transport/exposure_table.hpp"
 #ifdef FERRY_WITH_CUDA
+#include "transport/cma/cuda_ipc.hpp"
 #include "transport/cuda/copy_engine.hpp"
+#else
+// Without CUDA nothing makes these (there is no cuda_ipc mode); empty types let the members
+// that would hold them be destroyed.
+namespace ferry::transport::cuda {
+class CopyEngine {};
+}  // namespace ferry::transport::cuda
+namespace ferry::transport::cma {
+class VmmExports {};
+}  // namespace ferry::transport::cma
 #endif
 
 namespace ferry::transport::cma {
@@ -87,10 +97,13 @@ CmaTransport::CmaTransport(uv_loop_t* loop, Defer defer, Options options)
   caps_.method = ipc() ? "cuda_ipc" : "cma";
   // cuda_ipc first: a copy by the GPU between two device memories beats any other way.
   caps_.rank = ipc() ? 400 : 200;
-  caps_.memory_kinds = bit(ipc() ? MemoryKind::cuda : MemoryKind::host);
+  // cuda_ipc: the owner's memory is CUDA (register_memory refuses host memory), the active
+  // side's either.
+  caps_.memory_kinds =
+      ipc() ? bit(MemoryKind::cuda) | bit(MemoryKind::host) : bit(MemoryKind::host);
 #ifdef FERRY_WITH_CUDA
-  // CUDA memory of the active side is staged through pinned host chunks (cma_staging.cpp);
-  // the owner's memory is host memory still (expose() refuses CUDA memory).
+  // cma: CUDA memory of the active side is staged through pinned host chunks
+  // (cma_staging.cpp); the owner's memory is host memory still (register_exposed).
   if (!ipc() && options_.cuda != nullptr) caps_.memory_kinds |= bit(MemoryKind::cuda);
 #endif
   caps_.same_host_only = true;
@@ -209,16 +222,29 @@ void CmaTransport::close() {
 }
 
 std::shared_ptr<const Registration> CmaTransport::register_memory(const Region& region) {
+  // cuda_ipc: the active side's memory may be host memory too (the GPU copies to and from it).
+  // cma: CUDA memory of the active side too, where the driver is usable (cma_staging.cpp).
+  if (!ipc() && !caps_.moves(region.kind))
+    throw Error(ErrorCode::Unsupported, "cma moves host memory only");
+  return registrations_.acquire(region);
+}
+
+std::shared_ptr<const Registration> CmaTransport::register_exposed(const Region& region) {
   if (ipc()) {
     if (region.kind != MemoryKind::cuda)
-      throw Error(ErrorCode::Unsupported, "cuda_ipc moves CUDA memory only");
-    // Memory without a CUDA IPC handle is refused here, so the operation is not offered by
-    // this method (another one moves it).
+      throw Error(ErrorCode::Unsupported,
+                  "cuda_ipc shares CUDA memory only (host memory is the cma method's)");
+    // Memory that cannot be shared is refused here, so the operation is not offered by this
+    // method (another one moves it).
     (void)handles_of(Exposure{0, {}, Access::read, {region}});
-  } else if (region.kind != MemoryKind::host && !caps_.moves(region.kind)) {
-    throw Error(ErrorCode::Unsupported, "cma moves host memory only");
+  } else if (region.kind != MemoryKind::host) {
+    // A peer's process_vm_readv/writev cannot reach this process's device memory: cma stages
+    // CUDA memory of its active side only, so the operation is not offered by cma.
+    throw Error(ErrorCode::Unsupported,
+                "cma does not serve CUDA memory (process_vm_readv/writev cannot reach it; "
+                "cuda_ipc or tcp moves it)");
   }
-  return registrations_.acquire(region);
+  return register_memory(region);
 }
 
 #ifndef FERRY_WITH_CUDA

@@ -24,6 +24,7 @@ class CopyEngine;
 namespace ferry::transport::cma {
 
 class CmaTransfer;
+class VmmExports;
 struct PeerLink;
 struct OwnerInfo;
 
@@ -33,12 +34,13 @@ struct OwnerInfo;
 /// socket carries the claim (token and ranges checked by the owner), the grant's slot, the
 /// claim secret, and the DONE that tells the owner the bytes are in place (docs/protocol.md).
 ///
-/// With Options::cuda_ipc set, the same machinery is the cuda_ipc method: it moves CUDA memory
-/// (only) between two processes of one host. The owner sends the CUDA IPC handles of the
-/// claimed memory's allocations with its grant (HANDLES), and the active side copies with the
-/// GPU (cuda/copy_engine.hpp) between its own device memory and the owner's, opened once per
-/// owner and allocation (cuda_ipc.hpp), each chunk's copy under the grant from its start until
-/// the driver reports its end.
+/// With Options::cuda_ipc set, the same machinery is the cuda_ipc method: it moves the owner's
+/// CUDA memory to or from the active side's memory (CUDA or host) between two processes of one
+/// host. The owner sends how to open the claimed memory's allocations (legacy IPC handles, or
+/// its fds of VMM exports) with its grant (HANDLES), and the active side copies with the GPU
+/// (cuda/copy_engine.hpp) between its own memory and the owner's, opened once per owner and
+/// allocation (cuda_ipc.hpp), each chunk's copy under the grant from its start until the
+/// driver reports its end.
 class CmaTransport final : public Transport, private tcp::Connection::Handler {
  public:
   struct Options {
@@ -70,6 +72,7 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   const Capabilities& capabilities() const override { return caps_; }
   std::vector<Endpoint> endpoints() const override;
   std::shared_ptr<const Registration> register_memory(const Region& region) override;
+  std::shared_ptr<const Registration> register_exposed(const Region& region) override;
   std::string expose(const Exposure& exposure, ExposureObserver& observer) override;
   void revoke(std::uint64_t id, const Error& reason) override;
   std::optional<Error> endpoint_error(const Endpoint& endpoint) const override;
@@ -219,6 +222,7 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   std::unordered_map<std::uint64_t, Pending> pending_;
 
   std::unique_ptr<cuda::CopyEngine> engine_;  ///< cuda_ipc, cma staging: made on the first copy
+  mutable std::unique_ptr<VmmExports> vmm_;   ///< cuda_ipc: the VMM allocations shared
   std::shared_ptr<Staging> staging_;          ///< cma: pinned chunks, made on the first need
 
   std::shared_ptr<int> life_ = std::make_shared<int>(0);

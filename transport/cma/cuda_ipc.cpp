@@ -1,10 +1,13 @@
 #include "transport/cma/cuda_ipc.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <iterator>
 #include <memory>
 #include <string>
+
+#include <unistd.h>
 
 #include <ferry/error.hpp>
 
@@ -31,13 +34,19 @@ CUdeviceptr address(const void* p) {
 
 }  // namespace
 
+static_assert(kMaxHandleBytes == kIpcRangeBytes * kMaxIpcRanges);
+
 std::vector<std::byte> encode_ranges(const std::vector<IpcRange>& ranges) {
   std::vector<std::byte> out(ranges.size() * kIpcRangeBytes);
   std::byte* p = out.data();
   for (const IpcRange& r : ranges) {
     put64(p, r.base);
     put64(p + 8, r.size);
-    std::memcpy(p + 16, r.handle.data(), r.handle.size());
+    put64(p + 16, static_cast<std::uint64_t>(r.kind) |
+                      (static_cast<std::uint64_t>(static_cast<std::uint32_t>(r.fd)) << 32));
+    put64(p + 24, r.generation);
+    std::memcpy(p + 32, r.device.data(), r.device.size());
+    std::memcpy(p + 48, r.handle.data(), r.handle.size());
     p += kIpcRangeBytes;
   }
   return out;
@@ -52,13 +61,97 @@ bool decode_ranges(const std::byte* data, std::size_t bytes, std::vector<IpcRang
     r.base = get64(p);
     r.size = get64(p + 8);
     if (r.size == 0 || r.base + r.size < r.base) return false;
-    std::memcpy(r.handle.data(), p + 16, r.handle.size());
+    const std::uint64_t kind_fd = get64(p + 16);
+    const auto kind = static_cast<std::uint32_t>(kind_fd);
+    if (kind > static_cast<std::uint32_t>(IpcKind::vmm)) return false;
+    r.kind = static_cast<IpcKind>(kind);
+    r.fd = static_cast<std::int32_t>(static_cast<std::uint32_t>(kind_fd >> 32));
+    if (r.kind == IpcKind::vmm && r.fd < 0) return false;
+    r.generation = get64(p + 24);
+    std::memcpy(r.device.data(), p + 32, r.device.size());
+    r.device.back() = '\0';
+    std::memcpy(r.handle.data(), p + 48, r.handle.size());
     out.push_back(r);
   }
   return true;
 }
 
-std::vector<IpcRange> export_ranges(const cuda::CudaApi& api, const std::vector<Region>& regions) {
+// ---------------------------------------------------------------------------------------
+// The owner's side
+
+VmmExports::~VmmExports() {
+  for (auto& [base, e] : entries_) drop(e);
+}
+
+void VmmExports::drop(Entry& e) {
+  if (e.fd >= 0) ::close(e.fd);
+  (void)api_.mem_release(e.handle);
+  e = Entry{};
+}
+
+void VmmExports::sweep() {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    CUmemGenericAllocationHandle now = 0;
+    const bool same =
+        api_.mem_retain_allocation_handle(&now, reinterpret_cast<void*>(it->first)) == CUDA_SUCCESS;
+    if (same) (void)api_.mem_release(now);
+    if (same && now == it->second.handle) {
+      ++it;
+      continue;
+    }
+    drop(it->second);
+    it = entries_.erase(it);
+  }
+}
+
+bool VmmExports::share(IpcRange& range, std::string& why) {
+  if (api_.mem_retain_allocation_handle == nullptr ||
+      api_.mem_export_to_shareable_handle == nullptr) {
+    why = "this driver has no virtual memory management";
+    return false;
+  }
+  CUmemGenericAllocationHandle handle = 0;
+  CUresult rc = api_.mem_retain_allocation_handle(&handle, reinterpret_cast<void*>(range.base));
+  if (rc != CUDA_SUCCESS) {
+    why = "it is no VMM allocation either (cuMemRetainAllocationHandle: " +
+          cuda::result_text(&api_, rc) + ")";
+    return false;
+  }
+  // While `handle` is retained here, no other allocation can be given its value: an entry
+  // holding the same value is the same allocation.
+  if (auto it = entries_.find(range.base);
+      it != entries_.end() && it->second.handle == handle && it->second.size == range.size) {
+    (void)api_.mem_release(handle);
+    range.fd = it->second.fd;
+    range.generation = it->second.generation;
+    return true;
+  }
+  sweep();
+  int fd = -1;
+  rc =
+      api_.mem_export_to_shareable_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  if (rc != CUDA_SUCCESS || fd < 0) {
+    (void)api_.mem_release(handle);
+    why = "the VMM allocation cannot be exported as a POSIX fd (cuMemExportToShareableHandle: " +
+          cuda::result_text(&api_, rc) +
+          "; create it with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR among its "
+          "requestedHandleTypes)";
+    return false;
+  }
+  if (auto it = entries_.find(range.base); it != entries_.end()) {
+    drop(it->second);
+    entries_.erase(it);
+  }
+  Entry e{handle, range.size, fd, next_generation_++};
+  entries_[range.base] = e;
+  ++exports_;
+  range.fd = fd;
+  range.generation = e.generation;
+  return true;
+}
+
+std::vector<IpcRange> export_ranges(const cuda::CudaApi& api, const std::vector<Region>& regions,
+                                    VmmExports* vmm) {
   std::vector<IpcRange> out;
   for (const Region& region : regions) {
     const CUdeviceptr at = address(region.ptr);
@@ -75,27 +168,44 @@ std::vector<IpcRange> export_ranges(const cuda::CudaApi& api, const std::vector<
                   "cuda_ipc: no context for cuda:" + std::to_string(region.cuda_device) + ": " +
                       cuda::result_text(&api, rc));
     IpcRange r;
+    std::string why;
     {
       cuda::ScopedContext scope(api, ctx);
       CUdeviceptr base = 0;
       std::size_t size = 0;
       rc = api.mem_get_address_range(&base, &size, at);
-      CUipcMemHandle handle{};
-      if (rc == CUDA_SUCCESS) rc = api.ipc_get_mem_handle(&handle, base);
       r.base = base;
       r.size = size;
-      std::memcpy(r.handle.data(), handle.reserved, r.handle.size());
+      if (rc == CUDA_SUCCESS) {
+        (void)api.device_get_pci_bus_id(r.device.data(), static_cast<int>(r.device.size()), dev);
+        r.device.back() = '\0';
+        CUipcMemHandle handle{};
+        rc = api.ipc_get_mem_handle(&handle, base);
+        std::memcpy(r.handle.data(), handle.reserved, r.handle.size());
+        if (rc != CUDA_SUCCESS) {
+          why = "cuIpcGetMemHandle: " + cuda::result_text(&api, rc);
+          r.handle = {};
+          r.kind = IpcKind::vmm;
+          std::string vmm_why = "and this transport shares no VMM allocations";
+          if (vmm != nullptr && vmm->share(r, vmm_why))
+            rc = CUDA_SUCCESS;
+          else
+            why += "; " + vmm_why;
+        }
+      } else {
+        why = "cuMemGetAddressRange: " + cuda::result_text(&api, rc);
+      }
     }
     (void)api.device_primary_ctx_release(dev);
     if (rc != CUDA_SUCCESS)
-      throw Error(ErrorCode::Unsupported,
-                  "cuda_ipc: the memory has no CUDA IPC handle (cuIpcGetMemHandle: " +
-                      cuda::result_text(&api, rc) +
-                      "; allocations made by cuMemCreate are not shared this way yet)");
+      throw Error(ErrorCode::Unsupported, "cuda_ipc: the memory cannot be shared (" + why + ")");
     out.push_back(r);
   }
   return out;
 }
+
+// ---------------------------------------------------------------------------------------
+// The peer's side
 
 IpcImports::~IpcImports() {
   for (auto& [key, m] : mappings_) close(m);
@@ -104,65 +214,131 @@ IpcImports::~IpcImports() {
 void IpcImports::close(Mapping& m) {
   {
     cuda::ScopedContext scope(api_, m.context);
-    (void)api_.ipc_close_mem_handle(m.local);
+    if (m.range.kind == IpcKind::vmm) {
+      (void)api_.mem_unmap(m.local, m.range.size);
+      (void)api_.mem_address_free(m.local, m.range.size);
+    } else {
+      (void)api_.ipc_close_mem_handle(m.local);
+    }
   }
   (void)api_.device_primary_ctx_release(m.device);
 }
 
-void IpcImports::open(const std::vector<IpcRange>& ranges, int ordinal) {
+int IpcImports::ordinal_of(const std::array<char, 16>& bus, int fallback) const {
+  if (bus[0] == '\0') return fallback;
+  int count = 0;
+  if (api_.device_get_count(&count) != CUDA_SUCCESS) return fallback;
+  for (int i = 0; i < count; ++i) {
+    CUdevice dev = 0;
+    std::array<char, 16> id{};
+    if (api_.device_get(&dev, i) == CUDA_SUCCESS &&
+        api_.device_get_pci_bus_id(id.data(), static_cast<int>(id.size()), dev) == CUDA_SUCCESS &&
+        std::strncmp(id.data(), bus.data(), id.size()) == 0)
+      return i;
+  }
+  return fallback;
+}
+
+CUresult IpcImports::import(Mapping& m, const FetchFd& fetch, std::string& why) {
+  if (api_.mem_import_from_shareable_handle == nullptr || api_.mem_address_reserve == nullptr ||
+      api_.mem_map == nullptr || api_.mem_set_access == nullptr) {
+    why = "this driver has no virtual memory management";
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
+  const int fd = fetch ? fetch(m.range.fd) : -1;
+  if (fd < 0) {
+    why = "cannot take the owner's fd " + std::to_string(m.range.fd) + ": " +
+          std::string(std::strerror(errno));
+    return CUDA_ERROR_OPERATING_SYSTEM;
+  }
+  CUmemGenericAllocationHandle handle = 0;
+  CUresult rc = api_.mem_import_from_shareable_handle(
+      &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
+      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  ::close(fd);
+  if (rc != CUDA_SUCCESS) {
+    why = "cuMemImportFromShareableHandle: " + cuda::result_text(&api_, rc);
+    return rc;
+  }
+  rc = api_.mem_address_reserve(&m.local, m.range.size, 0, 0, 0);
+  if (rc != CUDA_SUCCESS) {
+    why = "cuMemAddressReserve: " + cuda::result_text(&api_, rc);
+  } else if (rc = api_.mem_map(m.local, m.range.size, 0, handle, 0); rc != CUDA_SUCCESS) {
+    why = "cuMemMap: " + cuda::result_text(&api_, rc);
+    (void)api_.mem_address_free(m.local, m.range.size);
+  } else {
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = m.ordinal;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    rc = api_.mem_set_access(m.local, m.range.size, &access, 1);
+    if (rc != CUDA_SUCCESS) {
+      why = "cuMemSetAccess: " + cuda::result_text(&api_, rc);
+      (void)api_.mem_unmap(m.local, m.range.size);
+      (void)api_.mem_address_free(m.local, m.range.size);
+    }
+  }
+  (void)api_.mem_release(handle);  // the mapping holds the allocation from here
+  return rc;
+}
+
+void IpcImports::open(const std::vector<IpcRange>& ranges, int fallback, const FetchFd& fetch) {
   for (const IpcRange& r : ranges) {
-    const auto key = std::make_pair(ordinal, r.base);
-    if (auto it = mappings_.find(key); it != mappings_.end() && it->second.range == r)
+    if (auto it = mappings_.find(r.base); it != mappings_.end() && it->second.range == r)
       continue;  // the same allocation: reused
-    // Another allocation where opened ones were (they were freed): every mapping of this
-    // device that overlaps it goes, also one at a higher address (translate() would find it
-    // first for the addresses above its base).
-    auto it = mappings_.lower_bound(key);
+    // Another allocation where opened ones were (they were freed): every mapping that
+    // overlaps it goes, also one at a higher address (translate() would find it first for
+    // the addresses above its base).
+    auto it = mappings_.lower_bound(r.base);
     if (it != mappings_.begin()) {
       auto before = std::prev(it);
-      if (before->first.first == ordinal &&
-          before->second.range.base + before->second.range.size > r.base)
-        it = before;
+      if (before->second.range.base + before->second.range.size > r.base) it = before;
     }
-    while (it != mappings_.end() && it->first.first == ordinal &&
-           it->second.range.base < r.base + r.size) {
+    while (it != mappings_.end() && it->second.range.base < r.base + r.size) {
       close(it->second);
       it = mappings_.erase(it);
       ++replaced_;
     }
     Mapping m;
     m.range = r;
-    CUresult rc = api_.device_get(&m.device, ordinal);
+    m.ordinal = ordinal_of(r.device, fallback);
+    CUresult rc = api_.device_get(&m.device, m.ordinal);
     if (rc == CUDA_SUCCESS) rc = api_.device_primary_ctx_retain(&m.context, m.device);
     if (rc != CUDA_SUCCESS)
-      throw Error(ErrorCode::Internal, "cuda_ipc: no context for cuda:" + std::to_string(ordinal) +
-                                           ": " + cuda::result_text(&api_, rc));
-    CUipcMemHandle handle{};
-    std::memcpy(handle.reserved, r.handle.data(), r.handle.size());
+      throw Error(ErrorCode::Internal,
+                  "cuda_ipc: no context for cuda:" + std::to_string(m.ordinal) + ": " +
+                      cuda::result_text(&api_, rc));
+    std::string why;
     {
       cuda::ScopedContext scope(api_, m.context);
-      rc = api_.ipc_open_mem_handle(&m.local, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      if (r.kind == IpcKind::vmm) {
+        rc = import(m, fetch, why);
+      } else {
+        CUipcMemHandle handle{};
+        std::memcpy(handle.reserved, r.handle.data(), r.handle.size());
+        rc = api_.ipc_open_mem_handle(&m.local, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+        if (rc != CUDA_SUCCESS) why = "cuIpcOpenMemHandle: " + cuda::result_text(&api_, rc);
+      }
     }
     if (rc != CUDA_SUCCESS) {
       (void)api_.device_primary_ctx_release(m.device);
       throw Error(ErrorCode::AccessDenied,
-                  "cuda_ipc: cannot open the owner's memory (cuIpcOpenMemHandle: " +
-                      cuda::result_text(&api_, rc) + ")");
+                  "cuda_ipc: cannot open the owner's memory (" + why + ")");
     }
     ++opens_;
-    mappings_.emplace(key, m);
+    mappings_.emplace(r.base, m);
   }
 }
 
-std::byte* IpcImports::translate(std::uint64_t addr, std::uint64_t len, int ordinal) const {
-  auto it = mappings_.upper_bound(std::make_pair(ordinal, addr));
-  if (it == mappings_.begin()) return nullptr;
+IpcImports::Place IpcImports::translate(std::uint64_t addr, std::uint64_t len) const {
+  auto it = mappings_.upper_bound(addr);
+  if (it == mappings_.begin()) return {};
   --it;
-  if (it->first.first != ordinal) return nullptr;
   const IpcRange& r = it->second.range;
-  if (addr < r.base || len > r.size || addr - r.base > r.size - len) return nullptr;
-  return reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(it->second.local)) +
-         (addr - r.base);
+  if (addr < r.base || len > r.size || addr - r.base > r.size - len) return {};
+  return {
+      reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(it->second.local)) + (addr - r.base),
+      it->second.ordinal};
 }
 
 }  // namespace ferry::transport::cma
@@ -173,7 +349,8 @@ std::byte* IpcImports::translate(std::uint64_t addr, std::uint64_t len, int ordi
 namespace ferry::transport::cma {
 
 std::vector<std::byte> CmaTransport::handles_of(const Exposure& exposure) const {
-  return encode_ranges(export_ranges(*options_.cuda_ipc, exposure.regions));
+  if (!vmm_) vmm_ = std::make_unique<VmmExports>(*options_.cuda_ipc);
+  return encode_ranges(export_ranges(*options_.cuda_ipc, exposure.regions, vmm_.get()));
 }
 
 void CmaTransport::ipc_claimed(CmaTransfer& t) {
@@ -185,9 +362,18 @@ void CmaTransport::ipc_claimed(CmaTransfer& t) {
   } else {
     try {
       if (!t.link->imports) t.link->imports = std::make_shared<IpcImports>(*options_.cuda_ipc);
-      // Opened in the context of the device of the transfer's memory; copies on other devices
-      // of this process reach the mapping through unified addressing.
-      t.link->imports->open(ranges, t.spec.segments.front().cuda_device);
+      // Each allocation is opened on the device holding it; one this process cannot see is
+      // opened on the device of the transfer's first device memory (reached through peer
+      // access), else on device 0.
+      int fallback = 0;
+      for (const Segment& s : t.spec.segments)
+        if (s.cuda_device >= 0) {
+          fallback = s.cuda_device;
+          break;
+        }
+      PeerLink* link = t.link.get();
+      t.link->imports->open(ranges, fallback,
+                            [link](int fd) { return fetch_fd(link->pidfd, link->pid, fd); });
     } catch (const Error& e) {
       error = e;
     }
@@ -207,14 +393,13 @@ void CmaTransport::ipc_claimed(CmaTransfer& t) {
 
 void CmaTransport::pump_ipc(CmaTransfer& t) {
   if (!engine_) engine_ = std::make_unique<cuda::CopyEngine>(loop_, *options_.cuda_ipc);
-  // The device the owner's allocations were opened on (ipc_claimed).
-  const int mapped_on = t.spec.segments.front().cuda_device;
   while (!t.finished && !t.ended_by_owner && t.jobs < options_.parallel &&
          t.seg < t.spec.segments.size()) {
     const Segment& s = t.spec.segments[t.seg];
     const std::uint64_t len = std::min<std::uint64_t>(options_.chunk_size, s.len - t.seg_off);
     std::byte* local = s.local + t.seg_off;
-    std::byte* remote = t.link->imports->translate(s.remote_addr + t.seg_off, len, mapped_on);
+    const IpcImports::Place place = t.link->imports->translate(s.remote_addr + t.seg_off, len);
+    std::byte* remote = place.at;
     if (remote == nullptr) {
       const Error error(ErrorCode::ProtocolError,
                         "peer '" + t.spec.peer_name +
@@ -238,7 +423,10 @@ void CmaTransport::pump_ipc(CmaTransfer& t) {
       const bool reading = t.spec.access == Access::read;
       // The copy's id is known once copy() returns, and its end is reported only later.
       auto copy_id = std::make_shared<std::uint64_t>(0);
-      id = engine_->copy(s.cuda_device, reading ? local : remote, reading ? remote : local, len,
+      // On the stream of the local device memory, or for host memory of the device the
+      // owner's memory was opened on.
+      const int device = s.cuda_device >= 0 ? s.cuda_device : place.device;
+      id = engine_->copy(device, reading ? local : remote, reading ? remote : local, len,
                          [this, transfer = t.id, life = std::weak_ptr<int>(life_),
                           copy_id](const std::optional<Error>& error) {
                            if (!life.expired()) ipc_copied(transfer, *copy_id, error);

@@ -70,6 +70,10 @@ Loaded load() {
   ok &= bind(ib, "ibv_dealloc_pd", a.dealloc_pd, w);
   ok &= bind(ib, "ibv_reg_mr", a.reg_mr, w);
   ok &= bind(ib, "ibv_dereg_mr", a.dereg_mr, w);
+  {
+    std::string optional;  // a library without it still offers verbs, for host memory
+    (void)bind(ib, "ibv_reg_dmabuf_mr", a.reg_dmabuf_mr, optional);
+  }
   ok &= bind(ib, "ibv_create_comp_channel", a.create_comp_channel, w);
   ok &= bind(ib, "ibv_destroy_comp_channel", a.destroy_comp_channel, w);
   ok &= bind(ib, "ibv_create_cq", a.create_cq, w);

@@ -41,6 +41,11 @@ struct VerbsApi {
   int (*dealloc_pd)(ibv_pd* pd) = nullptr;
   ibv_mr* (*reg_mr)(ibv_pd* pd, void* addr, size_t length, int access) = nullptr;
   int (*dereg_mr)(ibv_mr* mr) = nullptr;
+  /// Optional (null where libibverbs predates it, rdma-core 34): registers `length` bytes of
+  /// the dmabuf `fd` from `offset`, reached at addresses from `iova`; GPUDirect RDMA to device
+  /// memory that the GPU driver exports as a dmabuf, without nvidia-peermem.
+  ibv_mr* (*reg_dmabuf_mr)(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                           int access) = nullptr;
   ibv_mw* (*alloc_mw)(ibv_pd* pd, ibv_mw_type type) = nullptr;
   int (*dealloc_mw)(ibv_mw* mw) = nullptr;
 

@@ -39,8 +39,10 @@ std::unique_ptr<Transfer> VerbsTransport::start(TransferSpec spec, TransferObser
   tcp::SocketAddress dst;
   if (auto e = parse_endpoint(spec.endpoint, dst)) throw *e;
   auto t = std::make_unique<VerbsTransfer>(*this, next_transfer_++, std::move(spec), observer);
-  for (const Segment& s : t->spec.segments)
-    t->regs.push_back(s.len == 0 ? nullptr : registrations_.acquire({s.local, s.len}));
+  for (const Segment& s : t->spec.segments) {
+    const MemoryKind kind = s.cuda_device >= 0 ? MemoryKind::cuda : MemoryKind::host;
+    t->regs.push_back(s.len == 0 ? nullptr : acquire({s.local, s.len, kind, s.cuda_device}));
+  }
   transfers_[t->id] = t.get();
   std::string why;
   std::shared_ptr<Conn> conn = link_to(dst, why);
@@ -150,27 +152,117 @@ void VerbsTransport::pump(Conn& conn) {
   arm_watchdog();
 }
 
+namespace {
+
+/// The window of the owner's memory that holds `remote`, or null.
+const Window* window_of(const VerbsTransfer& t, std::uint64_t remote) {
+  auto w = std::upper_bound(t.windows.begin(), t.windows.end(), remote,
+                            [](std::uint64_t a, const Window& x) { return a < x.addr; });
+  if (w == t.windows.begin() || remote - std::prev(w)->addr >= std::prev(w)->len) return nullptr;
+  return &*std::prev(w);
+}
+
+}  // namespace
+
+bool VerbsTransport::post_data(Conn& conn, VerbsTransfer& t, std::uint64_t remote,
+                               std::uint32_t rkey, ibv_sge* sges, std::size_t n, bool last,
+                               std::uint64_t chunk) {
+  ibv_send_wr wr{};
+  Posted p;
+  p.seq = conn.next_seq++;
+  p.transfer = t.id;
+  p.chunk = chunk;
+  wr.wr_id = p.seq;
+  wr.opcode = t.spec.access == Access::read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+  wr.sg_list = sges;
+  wr.num_sge = static_cast<int>(n);
+  wr.wr.rdma.remote_addr = remote;
+  wr.wr.rdma.rkey = rkey;
+  // Selective signalling: one in signal_every, the last of a transfer (or of a staging chunk),
+  // and the one that fills the queue (so that some completion always comes back to make room).
+  const bool signaled = ++conn.since_signal >= options_.signal_every || last ||
+                        conn.posted.size() + 1 >= options_.queue_depth;
+  if (signaled) {
+    wr.send_flags = IBV_SEND_SIGNALED;
+    conn.since_signal = 0;
+    ++counters_.signaled_wrs;
+  }
+  ibv_send_wr* bad = nullptr;
+  if (api_.post_send(conn.qp, &wr, &bad) != 0) {
+    fail_conn(conn, ErrorCode::Internal, std::string("ibv_post_send: ") + std::strerror(errno));
+    return false;
+  }
+  conn.posted.push_back(p);
+  ++t.outstanding;
+  ++counters_.data_wrs;
+  return true;
+}
+
+bool VerbsTransport::post_chunk_wr(Conn& conn, VerbsTransfer& t) {
+  const std::uint64_t id = t.postable.front();
+  Chunk& c = t.chunks.at(id);
+  const std::uint64_t remote = c.remote + c.posted;
+  const Window* win = window_of(t, remote);
+  if (win == nullptr) {
+    finish_transfer(t, Error(ErrorCode::ProtocolError,
+                             "peer '" + t.spec.peer_name +
+                                 "' gave no key for a range it accepted in the claim"));
+    return false;
+  }
+  std::uint64_t take =
+      std::min({win->addr + win->len - remote, conn.dev->max_msg, c.len - c.posted});
+  const auto local = reinterpret_cast<std::uint64_t>(c.buf) + c.posted;
+  std::uint64_t room = 0;
+  const MrSet* set = chunk_set(c.buf);
+  ibv_mr* mr = set == nullptr ? nullptr : set->find(conn.dev->ctx, local, room);
+  if (mr == nullptr) {
+    finish_transfer(
+        t, Error(ErrorCode::Internal, "staging chunk not registered on " + conn.dev->name));
+    return false;
+  }
+  take = std::min({take, room, std::uint64_t{1} << 31});
+  ibv_sge sge{local, static_cast<std::uint32_t>(take), mr->lkey};
+  const bool last = c.posted + take == c.len;
+  if (!post_data(conn, t, remote, win->rkey, &sge, 1, last, id)) return false;
+  c.posted += take;
+  ++c.wrs;
+  if (last) t.postable.pop_front();
+  return true;
+}
+
 bool VerbsTransport::post_some(Conn& conn, VerbsTransfer& t) {
   Device& dev = *conn.dev;
   const auto& segs = t.spec.segments;
   const auto max_sge = static_cast<std::size_t>(dev.max_sge);
   ibv_sge sges[32];
   for (int turn = 0; turn < kWrsPerTurn && conn.posted.size() < options_.queue_depth; ++turn) {
+    if (!t.postable.empty()) {
+      if (!post_chunk_wr(conn, t)) return false;
+      continue;
+    }
     while (t.seg < segs.size() && segs[t.seg].len == 0) ++t.seg;
     if (t.seg >= segs.size()) break;
+    if (staged_segment(t, t.seg)) {
+      // CUDA memory the NIC cannot reach: through a staging chunk.
+      try {
+        if (!start_chunk(t)) break;
+      } catch (const Error& e) {
+        staging_failed(t, e);
+        return false;
+      }
+      continue;
+    }
     // One WR: a run of the owner's memory inside one window, at most max_msg bytes, gathered
     // from at most max_sge local pieces, each inside one local registration.
     const std::uint64_t remote = segs[t.seg].remote_addr + t.off;
-    auto w = std::upper_bound(t.windows.begin(), t.windows.end(), remote,
-                              [](std::uint64_t a, const Window& x) { return a < x.addr; });
-    if (w == t.windows.begin() || remote - std::prev(w)->addr >= std::prev(w)->len) {
+    const Window* win = window_of(t, remote);
+    if (win == nullptr) {
       finish_transfer(t, Error(ErrorCode::ProtocolError,
                                "peer '" + t.spec.peer_name +
                                    "' gave no key for a range it accepted in the claim"));
       return false;
     }
-    const Window& win = *std::prev(w);
-    const std::uint64_t limit = std::min(win.addr + win.len - remote, dev.max_msg);
+    const std::uint64_t limit = std::min(win->addr + win->len - remote, dev.max_msg);
     std::size_t n = 0;
     std::uint64_t total = 0;
     while (n < max_sge && total < limit && t.seg < segs.size()) {
@@ -179,7 +271,7 @@ bool VerbsTransport::post_some(Conn& conn, VerbsTransfer& t) {
         ++t.seg;
         continue;
       }
-      if (n > 0 && s.remote_addr + t.off != remote + total) break;
+      if (n > 0 && (s.remote_addr + t.off != remote + total || staged_segment(t, t.seg))) break;
       std::uint64_t take = std::min(s.len - t.off, limit - total);
       const auto local = reinterpret_cast<std::uint64_t>(s.local) + t.off;
       std::uint64_t room = 0;
@@ -203,40 +295,15 @@ bool VerbsTransport::post_some(Conn& conn, VerbsTransfer& t) {
       }
     }
     while (t.seg < segs.size() && segs[t.seg].len == 0) ++t.seg;
-    const bool last = t.seg >= segs.size();
-    ibv_send_wr wr{};
-    Posted p;
-    p.seq = conn.next_seq++;
-    p.transfer = t.id;
-    wr.wr_id = p.seq;
-    wr.opcode = t.spec.access == Access::read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
-    wr.sg_list = sges;
-    wr.num_sge = static_cast<int>(n);
-    wr.wr.rdma.remote_addr = remote;
-    wr.wr.rdma.rkey = win.rkey;
-    // Selective signalling: one in signal_every, the transfer's last, and the one that fills
-    // the queue (so that some completion always comes back to make room).
-    const bool signaled = ++conn.since_signal >= options_.signal_every || last ||
-                          conn.posted.size() + 1 >= options_.queue_depth;
-    if (signaled) {
-      wr.send_flags = IBV_SEND_SIGNALED;
-      conn.since_signal = 0;
-      ++counters_.signaled_wrs;
-    }
-    ibv_send_wr* bad = nullptr;
-    if (api_.post_send(conn.qp, &wr, &bad) != 0) {
-      fail_conn(conn, ErrorCode::Internal, std::string("ibv_post_send: ") + std::strerror(errno));
-      return false;
-    }
-    conn.posted.push_back(p);
-    ++t.outstanding;
-    ++counters_.data_wrs;
-    if (last) {
-      t.all_posted = true;
-      return false;
-    }
+    if (!post_data(conn, t, remote, win->rkey, sges, n, t.seg >= segs.size(), 0)) return false;
   }
-  return !t.all_posted;
+  // Everything is posted once the segments are through and no chunk waits to be posted or
+  // for its device-to-host copy.
+  t.all_posted = t.seg >= segs.size() && t.postable.empty() &&
+                 std::all_of(t.chunks.begin(), t.chunks.end(),
+                             [](const auto& kv) { return kv.second.posted == kv.second.len; });
+  if (t.all_posted) return false;
+  return !t.postable.empty() || (t.seg < segs.size() && !t.waiting_chunk);
 }
 
 void VerbsTransport::wr_done(Conn& conn, std::uint64_t tid, const ibv_wc* error) {
@@ -259,13 +326,18 @@ void VerbsTransport::wr_done(Conn& conn, std::uint64_t tid, const ibv_wc* error)
     finish_transfer(t, Error(code_of(error->status), text));
     return;
   }
-  if (t.outstanding != 0) return;
+  maybe_done(conn, t);
+}
+
+void VerbsTransport::maybe_done(Conn& conn, VerbsTransfer& t) {
+  if (t.finished || t.outstanding != 0) return;
   if (t.ended_by_owner) {
     finish_transfer(t, t.ended_by_owner);
     return;
   }
-  if (!t.all_posted || t.done_sent) return;
-  // Every byte is in place (read) or placed before DONE reaches the owner (write).
+  if (!t.all_posted || t.done_sent || !t.chunks.empty()) return;
+  // Every byte is in place (read: staged chunks copied to the device too) or placed before DONE
+  // reaches the owner (write).
   t.done_sent = true;
   const std::uint64_t req = next_req_++;
   const Pending& done = pending_[req] =
@@ -325,6 +397,9 @@ void VerbsTransport::cancel_transfer(VerbsTransfer& t, const Error& reason) {
       wait_quiet(t, std::chrono::steady_clock::now() + options_.peer_timeout);
     }
   }
+  // No work request reaches a staging chunk now: cancel the chunks' copies (waiting for one
+  // under way, so that none touches the device memory after this) and give them back.
+  if (!t.chunks.empty()) drop_chunks(t);
   if (was_finished) return;
   conn = conn_of(t.conn);
   if (conn == nullptr || conn->state != Conn::State::up) return;
@@ -336,7 +411,7 @@ void VerbsTransport::cancel_transfer(VerbsTransfer& t, const Error& reason) {
 }
 
 void VerbsTransport::forget_transfer(VerbsTransfer& t) {
-  if (!t.finished || t.outstanding > 0)
+  if (!t.finished || t.outstanding > 0 || !t.chunks.empty())
     cancel_transfer(t, Error(ErrorCode::Cancelled, "the transfer was dropped"));
   transfers_.erase(t.id);
   t.owner = nullptr;

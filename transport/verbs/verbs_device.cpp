@@ -26,52 +26,64 @@ std::string sys_text(int err) { return std::strerror(err); }
 // ---------------------------------------------------------------------------------------
 // Registrations
 
-MrSet::~MrSet() {
+MrSet::~MrSet() { clear(); }
+
+void MrSet::clear() {
   for (auto& d : devices)
-    for (ibv_mr* mr : d.mrs) d.pd->api->dereg_mr(mr);
+    for (const Piece& p : d.pieces) d.pd->api->dereg_mr(p.mr);
+  for (auto& d : devices) d.pieces.clear();
 }
 
 ibv_mr* MrSet::find(const ibv_context* ctx, std::uint64_t addr, std::uint64_t& room) const {
   if (addr < base || addr - base >= size) return nullptr;
   for (const auto& d : devices) {
     if (d.pd->ctx != ctx) continue;
-    const std::uint64_t at = addr - base;
-    const std::size_t i = static_cast<std::size_t>(at / d.piece);
-    if (i >= d.mrs.size()) return nullptr;
-    const std::uint64_t end = std::min(size, (i + 1) * d.piece);
-    room = end - at;
-    return d.mrs[i];
+    auto it = std::upper_bound(d.pieces.begin(), d.pieces.end(), addr,
+                               [](std::uint64_t a, const Piece& p) { return a < p.addr; });
+    if (it == d.pieces.begin()) return nullptr;
+    --it;
+    if (addr - it->addr >= it->len) return nullptr;
+    room = it->addr + it->len - addr;
+    return it->mr;
   }
   return nullptr;
 }
 
+bool VerbsTransport::register_pieces(MrSet& set, std::size_t d, std::uint64_t addr,
+                                     std::uint64_t len, int access) {
+  MrSet::OnDevice& on = set.devices[d];
+  const Device& dev = *devices_[d];
+  // Pieces of whole pages below the device's limit (a limit of 0 means none).
+  const std::uint64_t piece = dev.max_mr == 0
+                                  ? std::max<std::uint64_t>(len, 1)
+                                  : std::max<std::uint64_t>(dev.max_mr & ~4095ull, 4096);
+  for (std::uint64_t at = 0; at < len; at += piece) {
+    const std::uint64_t n = std::min(piece, len - at);
+    errno = 0;
+    ibv_mr* mr = api_.reg_mr(on.pd->pd, reinterpret_cast<void*>(addr + at), n, access);
+    if (mr == nullptr) return false;
+    on.pieces.push_back({addr + at, n, mr});
+    ++counters_.registrations;
+  }
+  return true;
+}
+
 std::shared_ptr<MrSet> VerbsTransport::register_everywhere(const Region& region, int access) {
-  const auto addr = reinterpret_cast<std::uint64_t>(region.ptr);
-  const std::uint64_t len = region.size;
   auto set = std::make_shared<MrSet>();
-  set->base = addr;
-  set->size = len;
-  for (auto& dev : devices_) {
-    MrSet::OnDevice d;
-    d.pd = dev->pd;
-    // Pieces of whole pages below the device's limit (a limit of 0 means none).
-    d.piece = dev->max_mr == 0 ? std::max<std::uint64_t>(len, 1)
-                               : std::max<std::uint64_t>(dev->max_mr & ~4095ull, 4096);
-    for (std::uint64_t at = 0; at < len; at += d.piece) {
-      const std::uint64_t n = std::min(d.piece, len - at);
-      errno = 0;
-      ibv_mr* mr = api_.reg_mr(d.pd->pd, reinterpret_cast<void*>(addr + at), n, access);
-      if (mr == nullptr) {
-        const int err = errno;
-        set->devices.push_back(std::move(d));  // what was registered is released with `set`
-        throw Error(err == ENOMEM ? ErrorCode::Internal : ErrorCode::Unsupported,
-                    "verbs: cannot register " + std::to_string(n) + " bytes on " + dev->name +
-                        ": " + (err ? sys_text(err) : "refused"));
-      }
-      d.mrs.push_back(mr);
-      ++counters_.registrations;
-    }
-    set->devices.push_back(std::move(d));
+  set->base = reinterpret_cast<std::uint64_t>(region.ptr);
+  set->size = region.size;
+  for (auto& dev : devices_) set->devices.push_back({dev->pd, {}});
+  if (region.kind == MemoryKind::cuda) {
+    register_cuda(*set, access);
+    return set;
+  }
+  for (std::size_t d = 0; d < devices_.size(); ++d) {
+    if (register_pieces(*set, d, set->base, set->size, access)) continue;
+    const int err = errno;
+    // What was registered is released with `set`.
+    throw Error(err == ENOMEM ? ErrorCode::Internal : ErrorCode::Unsupported,
+                "verbs: cannot register " + std::to_string(set->size) + " bytes on " +
+                    devices_[d]->name + ": " + (err ? sys_text(err) : "refused"));
   }
   return set;
 }
@@ -86,9 +98,11 @@ std::shared_ptr<void> VerbsTransport::register_region(const Region& region) {
 }
 
 std::shared_ptr<const Registration> VerbsTransport::register_memory(const Region& region) {
-  if (region.kind != MemoryKind::host)
-    throw Error(ErrorCode::Unsupported, "verbs moves host memory only (so far)");
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  if (region.kind == MemoryKind::cuda && !caps_.moves(MemoryKind::cuda))
+    throw Error(ErrorCode::Unsupported, "verbs moves host memory only here (no CUDA driver)");
+  // CUDA memory the NIC cannot reach is registered all the same (marked staged): an active
+  // transfer stages it; expose() refuses it.
   return registrations_.acquire(region);
 }
 

@@ -5,6 +5,7 @@
 // exposures; verbs_client.cpp: active transfers). Not an interface.
 
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,16 +44,28 @@ struct DevicePd {
 };
 
 /// One address range registered on every device, in pieces of at most the device's
-/// max_mr_size: the handle of a Registration. Destructor: deregisters (keys die at once).
+/// max_mr_size (and, for CUDA memory, within one allocation each): the handle of a
+/// Registration. Destructor: deregisters (keys die at once).
 struct MrSet {
+  struct Piece {
+    std::uint64_t addr = 0;
+    std::uint64_t len = 0;
+    ibv_mr* mr = nullptr;
+  };
   struct OnDevice {
     std::shared_ptr<DevicePd> pd;
-    std::uint64_t piece = 0;  ///< bytes per MR (the last one may be shorter)
-    std::vector<ibv_mr*> mrs;
+    std::vector<Piece> pieces;  ///< by address
   };
   std::uint64_t base = 0;
   std::uint64_t size = 0;
   std::vector<OnDevice> devices;
+  /// CUDA memory that no device reaches (no dmabuf, no peermem): no piece; an active transfer
+  /// stages it through pinned host chunks, and it cannot be exposed.
+  bool staged = false;
+  int cuda_device = -1;  ///< the first CUDA device of its memory; -1: host memory
+  /// CUDA memory: the base and buffer id of each allocation it lies in (the driver reuses
+  /// addresses, never buffer ids: a registration whose buffers are gone is stale).
+  std::vector<std::pair<std::uint64_t, unsigned long long>> buffers;
   MrSet() = default;
   MrSet(const MrSet&) = delete;
   MrSet& operator=(const MrSet&) = delete;
@@ -60,6 +73,8 @@ struct MrSet {
   /// The MR of device `ctx` holding `addr`, and how many bytes of it lie from `addr` on; null
   /// if none.
   ibv_mr* find(const ibv_context* ctx, std::uint64_t addr, std::uint64_t& room) const;
+  /// Deregisters every piece.
+  void clear();
 };
 
 /// One RDMA device as rdma_cm opened it, with what the transport keeps on it.
@@ -94,6 +109,20 @@ struct Posted {
   std::uint64_t seq = 0;       ///< its wr_id
   std::uint64_t transfer = 0;  ///< the active transfer it moves data for (0: control)
   std::int32_t slot = -1;      ///< the control buffer it sends from (-1: none)
+  std::uint64_t chunk = 0;     ///< the staging chunk it moves (0: none)
+};
+
+/// A staging chunk of an active transfer: `len` bytes of local CUDA memory at `device`, moved
+/// from or to the owner's `remote` through pinned host memory at `buf`.
+struct Chunk {
+  std::byte* buf = nullptr;
+  int ordinal = -1;
+  std::byte* device = nullptr;
+  std::uint64_t remote = 0;
+  std::uint64_t len = 0;
+  std::uint64_t posted = 0;  ///< bytes of it posted as work requests
+  unsigned wrs = 0;          ///< its work requests not yet complete
+  std::uint64_t copy = 0;    ///< the copy engine's id while a copy runs
 };
 
 /// A control item waiting for room in the send queue: message bytes, or a window to bind.
@@ -177,6 +206,11 @@ class VerbsTransfer final : public Transfer {
   bool finished = false;
   bool notified = false;
   std::optional<Error> ended_by_owner;  ///< the owner's notice: it ended the operation
+  // Staging (CUDA memory that the NIC cannot reach): chunks by id, those whose bytes may be
+  // posted (a read's at once, a write's once copied from the device), in order.
+  std::map<std::uint64_t, Chunk> chunks;
+  std::deque<std::uint64_t> postable;
+  bool waiting_chunk = false;  ///< stopped posting for want of a free chunk
 };
 
 }  // namespace ferry::transport::verbs

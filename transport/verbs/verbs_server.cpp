@@ -16,7 +16,20 @@ std::string VerbsTransport::expose(const Exposure& exposure, ExposureObserver& o
   served->spans = exposures_.find(exposure.id)->spans;
   try {
     for (const Region& span : served->spans) {
-      served->regs.push_back(registrations_.acquire(span));
+      // A span of CUDA memory may join touching allocations: a registration for each.
+      const auto end = reinterpret_cast<std::uint64_t>(span.ptr) + span.size;
+      for (std::uint64_t at = reinterpret_cast<std::uint64_t>(span.ptr); at < end;) {
+        auto reg = acquire(
+            Region{reinterpret_cast<std::byte*>(at), end - at, span.kind, span.cuda_device});
+        served->regs.push_back(reg);
+        if (const auto* set = static_cast<const MrSet*>(reg->handle.get());
+            set != nullptr && set->staged)
+          // The owner of one-sided RDMA cannot stage: another method serves this memory.
+          throw Error(ErrorCode::Unsupported, cuda_unreachable(*set));
+        if (reg->base + reg->size <= at)
+          throw Error(ErrorCode::Internal, "verbs: a registration short of its range");
+        at = reg->base + reg->size;
+      }
       if (!uses_memory_windows()) {
         // No windows: a registration of this operation's own, whose keys die with it.
         const int access = exposure.access == Access::read
@@ -104,11 +117,13 @@ void VerbsTransport::serve_claim(Conn& conn, const tcp::FrameHeader& h,
   for (std::size_t i = 0; i < served.spans.size() && failure.empty(); ++i) {
     const Region& span = served.spans[i];
     const auto base = reinterpret_cast<std::uint64_t>(span.ptr);
-    const auto* set =
-        windows ? static_cast<const MrSet*>(served.regs[i]->handle.get()) : served.own[i].get();
     for (std::uint64_t addr = base; addr < base + span.size;) {
+      const MrSet* set = windows ? nullptr : served.own[i].get();
+      for (std::size_t r = 0; windows && r < served.regs.size(); ++r)
+        if (served.regs[r]->covers(addr, 1))
+          set = static_cast<const MrSet*>(served.regs[r]->handle.get());
       std::uint64_t room = 0;
-      ibv_mr* mr = set->find(conn.dev->ctx, addr, room);
+      ibv_mr* mr = set == nullptr ? nullptr : set->find(conn.dev->ctx, addr, room);
       if (mr == nullptr) {
         failure = "the operation's memory is not registered on " + conn.dev->name;
         break;

@@ -8,6 +8,10 @@
 #include "transport/tcp/socket.hpp"
 #include "transport/verbs/verbs_internal.hpp"
 
+#ifdef FERRY_WITH_CUDA
+#include "transport/cuda/copy_engine.hpp"  // the staging members' destructors
+#endif
+
 namespace ferry::transport::verbs {
 
 namespace {
@@ -55,6 +59,10 @@ VerbsTransport::VerbsTransport(uv_loop_t* loop, Defer defer, Options options)
   caps_.method = "verbs";
   caps_.rank = 300;
   caps_.memory_kinds = bit(MemoryKind::host);
+#ifdef FERRY_WITH_CUDA
+  cuda_ = options_.cuda;
+  if (cuda_ != nullptr) caps_.memory_kinds |= bit(MemoryKind::cuda);
+#endif
   caps_.same_host_only = false;
   caps_.passive_cpu_free = true;
   if (options_.queue_depth < 4 || options_.signal_every == 0 || options_.max_wr_bytes == 0)
@@ -129,6 +137,9 @@ void VerbsTransport::close() {
   for (auto& [id, t] : transfers_) {
     t->finished = true;
     t->owner = nullptr;
+    // Its copies end here; its chunks' memory stays until the pool goes, after the queue
+    // pairs below.
+    if (!t->chunks.empty()) drop_chunks(*t);
   }
   transfers_.clear();
   pending_.clear();
@@ -168,6 +179,7 @@ void VerbsTransport::close() {
     dev->cq = nullptr;
     dev->channel = nullptr;
   }
+  close_cuda();
   devices_.clear();  // protection domains go with the last registration in them
 }
 
@@ -507,6 +519,7 @@ std::string VerbsTransport::why_failed(const Conn& conn, ibv_wc_status status) {
 void VerbsTransport::send_completion(Conn& conn, const ibv_wc& wc) {
   // Work requests complete in order: one completion retires every unsignalled one before it.
   std::vector<std::uint64_t> touched;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> chunks_moved;  // transfer, chunk
   while (!conn.posted.empty() && conn.posted.front().seq <= wc.wr_id) {
     Posted p = conn.posted.front();
     conn.posted.pop_front();
@@ -515,6 +528,12 @@ void VerbsTransport::send_completion(Conn& conn, const ibv_wc& wc) {
     if (p.transfer != 0) {
       auto it = transfers_.find(p.transfer);
       if (it != transfers_.end() && it->second->outstanding > 0) --it->second->outstanding;
+      if (it != transfers_.end() && p.chunk != 0) {
+        auto c = it->second->chunks.find(p.chunk);
+        if (c != it->second->chunks.end() && c->second.wrs > 0 && --c->second.wrs == 0 &&
+            c->second.posted == c->second.len && !failed_here && !it->second->finished)
+          chunks_moved.emplace_back(p.transfer, p.chunk);
+      }
       if (failed_here) {
         wr_done(conn, p.transfer, &wc);
       } else if (std::find(touched.begin(), touched.end(), p.transfer) == touched.end()) {
@@ -526,6 +545,10 @@ void VerbsTransport::send_completion(Conn& conn, const ibv_wc& wc) {
     fail_conn(conn, wc.status == IBV_WC_RETRY_EXC_ERR ? ErrorCode::PeerLost : ErrorCode::Internal,
               why_failed(conn, wc.status));
     return;
+  }
+  for (auto [tid, chunk] : chunks_moved) {
+    auto it = transfers_.find(tid);
+    if (it != transfers_.end() && !it->second->finished) chunk_moved(*it->second, chunk);
   }
   for (std::uint64_t tid : touched) wr_done(conn, tid, nullptr);
   if (conn.state == Conn::State::up) {

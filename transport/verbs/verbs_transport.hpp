@@ -19,6 +19,15 @@
 #include "transport/transport.hpp"
 #include "transport/verbs/verbs_api.hpp"
 
+#ifdef FERRY_WITH_CUDA
+struct CUctx_st;
+namespace ferry::transport::cuda {
+struct CudaApi;
+class CopyEngine;
+class StagingPool;
+}  // namespace ferry::transport::cuda
+#endif
+
 namespace ferry::transport::verbs {
 
 class VerbsTransfer;
@@ -61,6 +70,14 @@ class VerbsTransport final : public Transport {
     std::chrono::milliseconds peer_timeout{2000};
     std::string local_name;
     std::uint64_t local_id = 0;
+#ifdef FERRY_WITH_CUDA
+    /// The CUDA driver; when set, CUDA memory is moved too: registered with the NIC by dmabuf
+    /// or nvidia-peermem (GPUDirect RDMA), else staged by the active side through pinned host
+    /// chunks (docs/cuda.md).
+    const cuda::CudaApi* cuda = nullptr;
+    std::uint64_t staging_chunk = 2u << 20;  ///< bytes of one staging chunk
+    std::size_t staging_chunks = 8;          ///< chunks of the pool, shared by every transfer
+#endif
   };
   using Defer = std::function<void(std::function<void()>)>;
 
@@ -97,6 +114,9 @@ class VerbsTransport final : public Transport {
     std::uint64_t connections = 0;  ///< connections established (both directions)
     std::uint64_t data_wrs = 0;     ///< RDMA READ/WRITE work requests posted
     std::uint64_t signaled_wrs = 0;
+    std::uint64_t dmabuf_registrations = 0;   ///< CUDA memory regions registered by dmabuf
+    std::uint64_t peermem_registrations = 0;  ///< ...by ibv_reg_mr of the device pointer
+    std::uint64_t staged_chunks = 0;          ///< staging chunks moved for active transfers
   };
   const Counters& counters() const noexcept { return counters_; }
   /// Whether the devices have type-2 memory windows and they are in use.
@@ -121,8 +141,57 @@ class VerbsTransport final : public Transport {
   bool busy() const;
   std::shared_ptr<void> register_region(const Region& region);
   /// Registers `region` on every device, in pieces of at most its max_mr_size, with `access`;
-  /// throws Error naming the device's refusal.
+  /// throws Error naming the device's refusal. CUDA memory that no device can reach gives a
+  /// set marked `staged`, with no region.
   std::shared_ptr<MrSet> register_everywhere(const Region& region, int access);
+  /// Registers [addr, addr + len) of host memory (or, with `cuda`, device memory the NIC reaches
+  /// by peermem) on device `d` of `set`, in pieces; false (errno set) when a piece is refused.
+  bool register_pieces(MrSet& set, std::size_t d, std::uint64_t addr, std::uint64_t len,
+                       int access);
+
+  // CUDA memory (verbs_cuda.cpp).
+  /// Registers the CUDA memory `set` spans (base, size), each allocation by dmabuf, else by
+  /// peermem, else marks the set staged. Throws Error for memory the driver does not know or
+  /// a way that worked before and fails now.
+  void register_cuda(MrSet& set, int access);
+  /// Registers [addr, addr + len) of the allocation [base, base + size) of CUDA device
+  /// `ordinal` by the first way that works for it (dmabuf, peermem); false when none does.
+  bool register_gpudirect(MrSet& set, int ordinal, std::uint64_t base, std::uint64_t size,
+                          std::uint64_t addr, std::uint64_t len, int access);
+  /// Registers [addr, addr + len) of the allocation at `base` on every device by dmabuf; false
+  /// with why when the driver or a device refuses (nothing of the attempt stays registered).
+  bool register_dmabuf(MrSet& set, std::uint64_t base, std::uint64_t addr, std::uint64_t len,
+                       int access, std::string& why);
+  /// Why the CUDA memory of a staged registration cannot be served to a peer.
+  std::string cuda_unreachable(const MrSet& set) const;
+  /// Whether segment `i` of `t` is CUDA memory moved through staging chunks.
+  static bool staged_segment(const VerbsTransfer& t, std::size_t i);
+  /// Takes a staging chunk for the next piece of `t`'s current (staged) segment: a write copies
+  /// the device's bytes into it first. False when no chunk is free (the transfer waits).
+  bool start_chunk(VerbsTransfer& t);
+  /// Posts the next work request of `t`'s first chunk ready to be posted; false when it must
+  /// stop (failed, or the queue is full).
+  bool post_chunk_wr(Conn& conn, VerbsTransfer& t);
+  /// Every work request of chunk `id` of `t` completed: a read copies it to the device, a write
+  /// gives it back.
+  void chunk_moved(VerbsTransfer& t, std::uint64_t id);
+  void chunk_copied(std::uint64_t transfer, std::uint64_t id, const std::optional<Error>& error);
+  /// Cancels the copies of `t`'s chunks (waiting for one under way) and gives the chunks back;
+  /// only once no work request of `t` is outstanding.
+  void drop_chunks(VerbsTransfer& t);
+  /// Puts `t` back on its connection's ready list and posts.
+  void make_ready(VerbsTransfer& t);
+  /// A staging copy of `t` failed: it ends, and the owner hears why.
+  void staging_failed(VerbsTransfer& t, const Error& error);
+  /// Sends DONE once every work request and chunk of `t` is through.
+  void maybe_done(Conn& conn, VerbsTransfer& t);
+  /// A staging chunk came back: transfers waiting for one go on.
+  void chunk_freed();
+  void close_cuda();
+  /// A registration covering `region`: from the cache; for CUDA memory, of its whole
+  /// allocation, after dropping cached ones of memory freed since.
+  std::shared_ptr<const Registration> acquire(const Region& region);
+  std::shared_ptr<const Registration> acquire_cuda(const Region& region);
 
   /// The address of a verbs endpoint in `out`, or why start() refuses it.
   static std::optional<Error> parse_endpoint(const Endpoint& endpoint, tcp::SocketAddress& out);
@@ -174,6 +243,12 @@ class VerbsTransport final : public Transport {
   /// Posts data work requests of transfers waiting on `conn`, within its queue depth.
   void pump(Conn& conn);
   bool post_some(Conn& conn, VerbsTransfer& t);
+  /// Posts one RDMA READ or WRITE of `t` (of staging chunk `chunk`, if not 0); false when the
+  /// queue pair refused it (the connection then failed).
+  bool post_data(Conn& conn, VerbsTransfer& t, std::uint64_t remote, std::uint32_t rkey,
+                 ibv_sge* sges, std::size_t n, bool last, std::uint64_t chunk);
+  /// The registration of staging chunk `buf`, or null.
+  const MrSet* chunk_set(const std::byte* buf) const;
   void wr_done(Conn& conn, std::uint64_t transfer, const ibv_wc* error);
   struct Pending;
   /// Sends DONE for the operation `what` names: success, or `error` (then a notice).
@@ -222,6 +297,29 @@ class VerbsTransport final : public Transport {
   RegistrationCache registrations_{nullptr};
 
   std::unordered_map<std::uint64_t, VerbsTransfer*> transfers_;
+
+#ifdef FERRY_WITH_CUDA
+  /// Whether a way for the NIC to reach a CUDA device's memory works, learned at the first
+  /// registration that tells and kept, so that a failing way is not tried at every one.
+  enum class Way : std::uint8_t { untried, works, fails };
+  struct CudaDevice {
+    int device = 0;
+    CUctx_st* context = nullptr;  ///< its primary context, retained
+    Way dmabuf = Way::untried;
+    Way peermem = Way::untried;
+    std::string no_dmabuf;   ///< why dmabuf did not work (last refusal)
+    std::string no_peermem;  ///< why peermem did not
+  };
+  CudaDevice& cuda_device(int ordinal);
+  const cuda::CudaApi* cuda_ = nullptr;
+  std::map<int, CudaDevice> cuda_devices_;
+  std::unique_ptr<cuda::CopyEngine> copies_;
+  std::unique_ptr<cuda::StagingPool> staging_;
+  /// The registration of each staging chunk, held as long as the pool.
+  std::map<std::byte*, std::shared_ptr<const Registration>> chunk_regs_;
+  bool chunk_wakeup_ = false;
+  std::uint64_t next_chunk_ = 1;
+#endif
   std::shared_ptr<int> life_ = std::make_shared<int>(0);
 };
 

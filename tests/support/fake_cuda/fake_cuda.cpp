@@ -33,7 +33,8 @@
 //   until cuMemSetAccess (PROT_READ allows reads only). The address hint of
 //   cuMemAddressReserve is ignored.
 // - cuMemGetHandleForAddressRange (dmabuf): a dup of the whole allocation's memfd; the range's
-//   bytes are at file offset (ptr - allocation base), not at offset 0.
+//   bytes are at file offset (ptr - allocation base), not at offset 0. The range may end with
+//   the page of the allocation's last byte, but may not take in pages another allocation shares.
 // - A forked child keeps its parent's state (unlike the real driver, which cannot be used after
 //   fork): the parent's device memory is shared with it, its streams are gone.
 
@@ -189,8 +190,9 @@ struct State {
   unsigned long long next_id = 0;
   CUmemGenericAllocationHandle next_handle = 0x1000;
   CUctx_st ctxs[kMaxDevices];
-  std::atomic<unsigned long long> counters[4] = {};  // h2d, d2h, d2d bytes; copies
+  std::atomic<unsigned long long> counters[4] = {};    // h2d, d2h, d2d bytes; copies
   std::atomic<unsigned long long> ipc_counts[2] = {};  // handles opened, closed
+  std::atomic<unsigned long long> vmm_imports{0};      // cuMemImportFromShareableHandle
 };
 
 // Never destroyed: stream threads and late callers may outlive static destructors.
@@ -976,6 +978,7 @@ FAKE_API CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationH
   BackingPtr b = adopt(fd);  // the caller keeps its fd
   if (!b) return CUDA_ERROR_INVALID_VALUE;
   State& s = st();
+  ++s.vmm_imports;
   std::lock_guard lock(s.mu);
   *handle = ++s.next_handle;
   s.handles[*handle] = {std::move(b), 1, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR};
@@ -1095,7 +1098,12 @@ FAKE_API CUresult CUDAAPI cuMemGetHandleForAddressRange(void* handle, CUdevicept
   State& s = st();
   std::lock_guard lock(s.mu);
   auto it = containing_mapping(s, ptr);
-  if (it == s.mappings.end() || size > it->second.size - (ptr - it->first))
+  // The page-aligned range around an allocation's last byte may be exported, unless another
+  // allocation shares those pages (small ones are packed 512 bytes apart): one memfd cannot
+  // stand for two allocations. The real driver exports such pages; the simulation refuses.
+  if (it == s.mappings.end() || size > align_up(it->second.size, page_size()) - (ptr - it->first))
+    return CUDA_ERROR_INVALID_VALUE;
+  if (auto next = std::next(it); next != s.mappings.end() && next->first < ptr + size)
     return CUDA_ERROR_INVALID_VALUE;
   int fd = dup_fd(it->second.backing->fd);
   if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
@@ -1110,6 +1118,9 @@ FAKE_API CUresult CUDAAPI cuMemGetHandleForAddressRange(void* handle, CUdevicept
 FAKE_API void ferry_fake_cuda_counters(unsigned long long out[4]) {
   for (int i = 0; i < 4; ++i) out[i] = st().counters[i].load();
 }
+
+/// This process's imports of VMM allocations (cuMemImportFromShareableHandle).
+FAKE_API unsigned long long ferry_fake_cuda_vmm_imports() { return st().vmm_imports.load(); }
 
 /// This process's legacy IPC handles opened and closed (cuIpcOpenMemHandle, cuIpcCloseMemHandle).
 FAKE_API void ferry_fake_cuda_ipc_counts(unsigned long long out[2]) {

@@ -35,6 +35,9 @@
 //    IBV_WC_LOC_PROT_ERR.
 //  - The send queue slot of a WR is free once its completion is generated (or suppressed by
 //    selective signalling).
+//  - A memory region made by reg_dmabuf_mr maps the dmabuf fd (from `offset`) and answers to
+//    addresses from `iova`; one made by reg_mr is the memory at its address. reg_mr checks that
+//    every page of the range is readable (process_vm_readv), as pinning the pages would.
 //  - ibv_qp::state is written only by calls of the application (create_qp, accept, modify_qp,
 //    get_cm_event of ESTABLISHED), as libibverbs does; errors found by the NIC do not change it.
 
@@ -62,6 +65,14 @@ struct Config {
   uint32_t max_cqe = 65536;            ///< ibv_device_attr::max_cqe
   bool mw = true;                      ///< type-2B memory windows supported
   uint64_t rate_mbps = 0;  ///< cap on payload this process's NIC sends, megabits/s; 0: none
+  /// ibv_reg_dmabuf_mr works (else it fails with EOPNOTSUPP, as on a kernel or provider
+  /// without dmabuf support).
+  bool dmabuf = true;
+  /// ibv_reg_mr of memory the CPU cannot reach (a simulated GPU's device memory) works, as with
+  /// nvidia-peermem loaded: the NIC reaches the pages through the GPU driver (here: the
+  /// simulated CUDA driver that FERRY_CUDA_DRIVER names, through its dmabuf export). Else such
+  /// a registration fails with EFAULT, as pinning the pages does without the module.
+  bool peermem = false;
 };
 
 /// Parses the FERRY_SIMVERBS form: "key=value,key=value"; keys are the fields of Config, and
@@ -86,6 +97,9 @@ struct Counters {
   uint64_t get_cq_event = 0;        ///< get_cq_event calls (also those answering EAGAIN)
   uint64_t cq_events_acked = 0;     ///< sum of ack_cq_events' nevents
   uint64_t async_events_acked = 0;  ///< ack_async_event calls
+  uint64_t dmabuf_mrs = 0;          ///< memory regions registered by reg_dmabuf_mr
+  uint64_t peermem_mrs = 0;  ///< regions of CPU-unreachable memory registered by reg_mr (peermem)
+  uint64_t refused_mrs = 0;  ///< reg_mr of CPU-unreachable memory refused (no peermem)
 };
 /// This process's counters since it started (a forked child starts again from zero).
 Counters counters();

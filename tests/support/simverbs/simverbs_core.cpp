@@ -2,9 +2,12 @@
 // of the table. The wire and the NIC thread are in simverbs_nic.cpp.
 
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <endian.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -383,14 +386,14 @@ uint8_t* check_remote(uint32_t rkey, uint64_t addr, uint64_t len, int need, uint
     if (m->mr.rkey != rkey || (m->access & need) != need) return nullptr;
     auto base = reinterpret_cast<uint64_t>(m->mr.addr);
     if (!in_range(base, m->mr.length, addr, len)) return nullptr;
-    return reinterpret_cast<uint8_t*>(addr);
+    return m->at(addr);
   }
   if (k.kind == KeyEnt::Window) {
     const Mw* w = k.mw;
     if (!w->bound || w->rkey != rkey || w->qpn != qpn || w->mr == nullptr) return nullptr;
     if ((w->access & need) != need) return nullptr;
     if (!in_range(w->addr, w->len, addr, len)) return nullptr;
-    return reinterpret_cast<uint8_t*>(addr);
+    return w->mr->at(addr);
   }
   return nullptr;
 }
@@ -404,7 +407,7 @@ uint8_t* check_local(uint32_t lkey, uint64_t addr, uint64_t len, bool need_write
   if (need_write && (m->access & IBV_ACCESS_LOCAL_WRITE) == 0) return nullptr;
   auto base = reinterpret_cast<uint64_t>(m->mr.addr);
   if (!in_range(base, m->mr.length, addr, len)) return nullptr;
-  return reinterpret_cast<uint8_t*>(addr);
+  return m->at(addr);
 }
 
 void push_cm(Id* id, rdma_cm_event_type type, int status, const void* pdata, std::size_t len,
@@ -652,6 +655,103 @@ constexpr int kKnownAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
                              IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
                              IBV_ACCESS_MW_BIND | IBV_ACCESS_RELAXED_ORDERING;
 
+namespace {
+
+std::size_t page() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+
+/// Whether the CPU can read every page of [addr, addr + length), as pinning them requires.
+bool readable(const void* addr, std::size_t length) {
+  if (length == 0) return true;
+  const uint64_t first = reinterpret_cast<uint64_t>(addr) & ~(uint64_t{page()} - 1);
+  const uint64_t end = reinterpret_cast<uint64_t>(addr) + length;
+  constexpr std::size_t kBatch = 512;
+  char sink[kBatch];
+  iovec local[kBatch];
+  iovec remote[kBatch];
+  for (uint64_t at = first; at < end;) {
+    std::size_t n = 0;
+    for (; n < kBatch && at < end; ++n, at += page()) {
+      const uint64_t probe = std::max(at, reinterpret_cast<uint64_t>(addr));
+      local[n] = {sink + n, 1};
+      remote[n] = {reinterpret_cast<void*>(probe), 1};
+    }
+    const ssize_t got = ::process_vm_readv(::getpid(), local, n, remote, n, 0);
+    // Short: a page in the batch faulted. Refused outright (a seccomp filter): cannot tell.
+    if (got >= 0 && got != static_cast<ssize_t>(n)) return false;
+    if (got < 0 && errno == EFAULT) return false;
+  }
+  return true;
+}
+
+/// A new region of `pd` answering to [iova, iova + length), its bytes at `cpu` (null: at iova).
+Mr* new_mr(Sim& s, Pd* p, ibv_pd* pd, uint64_t iova, std::size_t length, int access, uint8_t* cpu,
+           void* map, std::size_t map_len) {
+  Mr* m = new Mr;
+  m->pd = p;
+  m->access = access;
+  m->cpu = cpu;
+  m->map = map;
+  m->map_len = map_len;
+  m->mr.context = pd->context;
+  m->mr.pd = pd;
+  m->mr.addr = reinterpret_cast<void*>(iova);
+  m->mr.length = length;
+  m->mr.lkey = make_key(new_index({KeyEnt::MrLocal, m, nullptr}));
+  m->mr.rkey = make_key(new_index({KeyEnt::MrRemote, m, nullptr}));
+  m->mr.handle = m->mr.lkey;
+  p->refs++;
+  s.mrs[&m->mr] = m;
+  return m;
+}
+
+/// Maps `length` bytes of dmabuf `fd` from `offset`: the mapping, its length, and where the
+/// byte at `offset` lies in it; null when it cannot be mapped.
+void* map_dmabuf(int fd, uint64_t offset, std::size_t length, std::size_t& map_len, uint8_t*& cpu) {
+  const uint64_t skew = offset % page();
+  map_len = (static_cast<std::size_t>(skew) + length + page() - 1) & ~(page() - 1);
+  void* map = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                     static_cast<off_t>(offset - skew));
+  if (map == MAP_FAILED) return nullptr;
+  cpu = static_cast<uint8_t*>(map) + skew;
+  return map;
+}
+
+/// The simulated nvidia-peermem: the NIC's driver asks the GPU driver for the pages of device
+/// memory. Here the GPU driver is the simulated CUDA driver FERRY_CUDA_DRIVER names, already
+/// loaded in this process; its dmabuf export of the allocation gives the bytes. False when
+/// there is no such driver or the range is none of its memory.
+bool peermem_map(const void* addr, std::size_t length, void*& map, std::size_t& map_len,
+                 uint8_t*& cpu) {
+  using GetRange = int (*)(unsigned long long*, std::size_t*, unsigned long long);
+  using GetHandle = int (*)(void*, unsigned long long, std::size_t, int, unsigned long long);
+  const char* path = std::getenv("FERRY_CUDA_DRIVER");
+  if (path == nullptr) return false;
+  void* lib = ::dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) return false;
+  auto range = reinterpret_cast<GetRange>(::dlsym(lib, "cuMemGetAddressRange_v2"));
+  auto handle = reinterpret_cast<GetHandle>(::dlsym(lib, "cuMemGetHandleForAddressRange"));
+  bool ok = false;
+  unsigned long long base = 0;
+  std::size_t size = 0;
+  const auto a = reinterpret_cast<unsigned long long>(addr);
+  if (range != nullptr && handle != nullptr && range(&base, &size, a) == 0 &&
+      a + length <= base + size) {
+    const std::size_t span =
+        (static_cast<std::size_t>(a - base) + length + page() - 1) & ~(page() - 1);
+    int fd = -1;
+    constexpr int kDmaBufFd = 1;  // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+    if (handle(&fd, base, span, kDmaBufFd, 0) == 0 && fd >= 0) {
+      map = map_dmabuf(fd, a - base, length, map_len, cpu);
+      ok = map != nullptr;
+      ::close(fd);
+    }
+  }
+  ::dlclose(lib);
+  return ok;
+}
+
+}  // namespace
+
 ibv_mr* reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
   std::lock_guard lock(g_mu);
   Sim& s = sim();
@@ -660,19 +760,38 @@ ibv_mr* reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
   if (p == nullptr || (access & ~kKnownAccess) != 0 || length > s.cfg.max_mr_size ||
       (addr == nullptr && length > 0) || (remote_w && (access & IBV_ACCESS_LOCAL_WRITE) == 0))
     return fail_null(EINVAL);
-  Mr* m = new Mr;
-  m->pd = p;
-  m->access = access;
-  m->mr.context = pd->context;
-  m->mr.pd = pd;
-  m->mr.addr = addr;
-  m->mr.length = length;
-  m->mr.lkey = make_key(new_index({KeyEnt::MrLocal, m, nullptr}));
-  m->mr.rkey = make_key(new_index({KeyEnt::MrRemote, m, nullptr}));
-  m->mr.handle = m->mr.lkey;
-  p->refs++;
-  s.mrs[&m->mr] = m;
-  return &m->mr;
+  if (!readable(addr, length)) {
+    void* map = nullptr;
+    std::size_t map_len = 0;
+    uint8_t* cpu = nullptr;
+    if (!s.cfg.peermem || !peermem_map(addr, length, map, map_len, cpu)) {
+      ++s.counters.refused_mrs;
+      return fail_null(EFAULT);
+    }
+    ++s.counters.peermem_mrs;
+    return &new_mr(s, p, pd, reinterpret_cast<uint64_t>(addr), length, access, cpu, map, map_len)
+                ->mr;
+  }
+  return &new_mr(s, p, pd, reinterpret_cast<uint64_t>(addr), length, access, nullptr, nullptr, 0)
+              ->mr;
+}
+
+ibv_mr* reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                      int access) {
+  std::lock_guard lock(g_mu);
+  Sim& s = sim();
+  Pd* p = lookup(s.pds, pd);
+  bool remote_w = (access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) != 0;
+  if (p == nullptr || (access & ~kKnownAccess) != 0 || length == 0 || length > s.cfg.max_mr_size ||
+      fd < 0 || (remote_w && (access & IBV_ACCESS_LOCAL_WRITE) == 0))
+    return fail_null(EINVAL);
+  if (!s.cfg.dmabuf) return fail_null(EOPNOTSUPP);
+  std::size_t map_len = 0;
+  uint8_t* cpu = nullptr;
+  void* map = map_dmabuf(fd, offset, length, map_len, cpu);
+  if (map == nullptr) return fail_null(errno == 0 ? EINVAL : errno);
+  ++s.counters.dmabuf_mrs;
+  return &new_mr(s, p, pd, iova, length, access, cpu, map, map_len)->mr;
 }
 
 int dereg_mr(ibv_mr* mr) {
@@ -691,6 +810,7 @@ int dereg_mr(ibv_mr* mr) {
     }
   }
   m->pd->refs--;
+  if (m->map != nullptr) ::munmap(m->map, m->map_len);
   return forget(s.mrs, mr, m);
 }
 
@@ -1469,6 +1589,7 @@ transport::verbs::VerbsApi make_api() {
   a.alloc_pd = alloc_pd;
   a.dealloc_pd = dealloc_pd;
   a.reg_mr = reg_mr;
+  a.reg_dmabuf_mr = reg_dmabuf_mr;
   a.dereg_mr = dereg_mr;
   a.alloc_mw = alloc_mw;
   a.dealloc_mw = dealloc_mw;
@@ -1556,6 +1677,10 @@ Config parse_config(const std::string& text) {
       c.mw = num(key, value) != 0;
     } else if (key == "rate_mbps") {
       c.rate_mbps = num(key, value);
+    } else if (key == "dmabuf") {
+      c.dmabuf = num(key, value) != 0;
+    } else if (key == "peermem") {
+      c.peermem = num(key, value) != 0;
     } else if (key == "max_cq_events_batch") {
       // accepted and ignored
     } else if (key == "devices") {
@@ -1591,6 +1716,7 @@ std::string to_string(const Config& c) {
          ",max_mr_size=" + std::to_string(c.max_mr_size) +
          ",max_qp_wr=" + std::to_string(c.max_qp_wr) + ",max_cqe=" + std::to_string(c.max_cqe) +
          ",mw=" + (c.mw ? "1" : "0") + ",rate_mbps=" + std::to_string(c.rate_mbps) +
+         ",dmabuf=" + (c.dmabuf ? "1" : "0") + ",peermem=" + (c.peermem ? "1" : "0") +
          ",devices=" + devices;
 }
 

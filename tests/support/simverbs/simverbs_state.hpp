@@ -107,6 +107,16 @@ struct Mr {
   ibv_mr mr{};
   Pd* pd = nullptr;
   int access = 0;
+  /// Where the CPU finds the byte at mr.addr, when that is not mr.addr itself: a mapping of a
+  /// dmabuf (reg_dmabuf_mr, or device memory registered through the simulated peermem).
+  uint8_t* cpu = nullptr;
+  void* map = nullptr;  ///< the mapping to unmap with the region
+  std::size_t map_len = 0;
+  /// The CPU address of `addr`, which lies in the region.
+  uint8_t* at(uint64_t addr) const {
+    return cpu != nullptr ? cpu + (addr - reinterpret_cast<uint64_t>(mr.addr))
+                          : reinterpret_cast<uint8_t*>(addr);
+  }
 };
 
 struct Mw {

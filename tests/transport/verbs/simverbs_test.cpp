@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -383,6 +384,53 @@ TEST(SimverbsDevices, QueryLikeHardware) {
   V().free_devices(again);
   V().free_devices(cms);
   V().free_device_list(list);
+}
+
+// GPUDirect: a dmabuf region answers at its iova from the fd's bytes at its offset; reg_mr
+// refuses memory the CPU cannot read (as pinning would), unless the simulated peermem is on.
+TEST(SimverbsMemory, DmabufRegionsServeTheFdsBytes) {
+  ibv_context** ctxs = V().get_devices(nullptr);
+  ibv_pd* pd = V().alloc_pd(ctxs[0]);
+  V().free_devices(ctxs);
+  ASSERT_NE(pd, nullptr);
+  ASSERT_NE(V().reg_dmabuf_mr, nullptr);
+  const int fd = ::memfd_create("simverbs-dmabuf", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  std::vector<unsigned char> bytes = pattern(3 * 4096, 5);
+  ASSERT_EQ(::pwrite(fd, bytes.data(), bytes.size(), 0), static_cast<ssize_t>(bytes.size()));
+  constexpr uint64_t kIova = 0x7f0000100000ull;
+  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
+  ibv_mr* mr = V().reg_dmabuf_mr(pd, 4096 + 100, 1000, kIova, fd, access);
+  ::close(fd);  // the region keeps the bytes
+  ASSERT_NE(mr, nullptr);
+  EXPECT_EQ(reinterpret_cast<uint64_t>(mr->addr), kIova);
+  unsigned char out[16] = {};
+  EXPECT_EQ(sv::inject_access(0, mr->rkey, kIova + 10, out, 16, false), IBV_WC_SUCCESS);
+  EXPECT_EQ(std::memcmp(out, bytes.data() + 4096 + 110, 16), 0);
+  EXPECT_EQ(sv::inject_access(0, mr->rkey, kIova + 990, out, 16, false), IBV_WC_REM_ACCESS_ERR);
+  ASSERT_EQ(V().dereg_mr(mr), 0);
+
+  sv::Config c = sv::current_config();
+  c.dmabuf = false;
+  sv::configure(c);
+  const int fd2 = ::memfd_create("simverbs-dmabuf", MFD_CLOEXEC);
+  ASSERT_EQ(::ftruncate(fd2, 4096), 0);
+  errno = 0;
+  EXPECT_EQ(V().reg_dmabuf_mr(pd, 0, 4096, kIova, fd2, access), nullptr);
+  EXPECT_EQ(errno, EOPNOTSUPP);
+  ::close(fd2);
+  c.dmabuf = true;
+  sv::configure(c);
+
+  void* none = ::mmap(nullptr, 8192, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(none, MAP_FAILED);
+  const auto refused = sv::counters().refused_mrs;
+  errno = 0;
+  EXPECT_EQ(V().reg_mr(pd, static_cast<char*>(none) + 10, 5000, IBV_ACCESS_LOCAL_WRITE), nullptr);
+  EXPECT_EQ(errno, EFAULT);
+  EXPECT_EQ(sv::counters().refused_mrs, refused + 1);
+  ::munmap(none, 8192);
+  EXPECT_EQ(V().dealloc_pd(pd), 0);
 }
 
 TEST(SimverbsMemory, RegisterCheckAndKeysDieAtDereg) {
