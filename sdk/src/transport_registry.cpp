@@ -68,7 +68,13 @@ transport::cma::CmaTransport::Options cma_options(const TransportContext& c) {
 std::unique_ptr<transport::Transport> make_cma(const TransportContext& c, std::string& why) {
   why = cma_unavailable(*c.options);
   if (!why.empty()) return nullptr;
-  return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, cma_options(c));
+  transport::cma::CmaTransport::Options cma = cma_options(c);
+#ifdef FERRY_WITH_CUDA
+  // CUDA memory of the active side is staged through pinned host buffers where the driver is
+  // usable.
+  cma.cuda = transport::cuda::usable_driver();
+#endif
+  return std::make_unique<transport::cma::CmaTransport>(c.loop, c.defer, std::move(cma));
 }
 
 #ifdef FERRY_WITH_CUDA
@@ -141,6 +147,7 @@ std::vector<TransportFactory> transport_factories() {
 #else
       {"tcp", make_tcp, 100, {}, "a TCP route to the peer's listener"},
 #endif
+      // moves_cuda false: it stages CUDA memory of its active side, but exposes none.
       {"cma", make_cma, 200, cma_unavailable,
        "the peer on this host, in this PID namespace, allowed to read this process"},
 #ifdef FERRY_WITH_VERBS

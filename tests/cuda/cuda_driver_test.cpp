@@ -95,7 +95,8 @@ TEST_F(WithCudaDriver, DescriptorsAreCheckedAgainstTheDriver) {
     EXPECT_EQ(readable.status(), OperationStatus::initialized);
     EXPECT_NE(readable.metadata().endpoints.size(), 0u);
   }
-  // A connector whose methods move host memory only still refuses it.
+  // A connector whose methods cannot serve it still refuses it: cma moves CUDA memory on its
+  // active side only.
   ConnectorOptions cma_only = test::named("cma-only");
   cma_only.transports = {"cma"};
   Connector host_only(cma_only);
@@ -103,7 +104,7 @@ TEST_F(WithCudaDriver, DescriptorsAreCheckedAgainstTheDriver) {
       [&] {
         (void)host_only.create_readable({Descriptor(gpu0.get() + 4096, 4096, Device::cuda(0))});
       },
-      ErrorCode::Unsupported, "no method of this connector moves CUDA memory");
+      ErrorCode::Unsupported, "no method of this connector can serve this memory: cma does not");
   // The checks made no context current on this thread.
   CUcontext current = nullptr;
   ASSERT_EQ(api_->ctx_get_current(&current), CUDA_SUCCESS);

@@ -92,7 +92,12 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
   OwnerInfo info;
   if (auto e = parse_endpoint(spec.endpoint, info)) throw *e;
+  const bool staged = !ipc() && std::any_of(spec.segments.begin(), spec.segments.end(),
+                                            [](const Segment& s) { return s.cuda_device >= 0; });
+  if (staged && !caps_.moves(MemoryKind::cuda))
+    throw Error(ErrorCode::Unsupported, "cma moves host memory only here (no CUDA driver)");
   auto t = std::make_unique<CmaTransfer>(*this, next_transfer_++, std::move(spec), observer);
+  t->staged = staged;
   transfers_[t->id] = t.get();
   std::string error;
   bool setup_refused = false;
@@ -232,6 +237,13 @@ void CmaTransport::pump(CmaTransfer& t) {
     return;
   }
 #endif
+#ifdef FERRY_WITH_CUDA
+  // CUDA memory on this side: through staging chunks (cma_staging.cpp), never inline.
+  if (t.staged) {
+    pump_staged(t);
+    return;
+  }
+#endif
   if (t.total <= options_.inline_max && t.jobs == 0 && t.seg == 0 && t.seg_off == 0) {
     copy_inline(t);
     return;
@@ -300,7 +312,7 @@ void CmaTransport::job_done(Job& job) {
   CmaTransfer& t = *it->second;
   --t.jobs;
   if (t.finished || job.skipped) return;
-  t.done += job.moved;
+  if (job.unit == 0) t.done += job.moved;  // a staged unit counts once its bytes are in place
   if (job.refused) {
     // The owner ended the operation. Its notice, which says why, is on its way (revoke()
     // sends it): wait for it, or for the connection to fail, no longer than the watchdog.
@@ -323,6 +335,12 @@ void CmaTransport::job_done(Job& job) {
     send_done(t, &error);
     return;
   }
+#ifdef FERRY_WITH_CUDA
+  if (job.unit != 0) {
+    staged_job_done(t, job.unit);
+    return;
+  }
+#endif
   if (t.done == t.total && t.jobs == 0) {
     all_copied(t);
     return;
@@ -473,6 +491,7 @@ void CmaTransport::finish_transfer(CmaTransfer& t, std::optional<Error> error, b
   t.copy->halt();
 #ifdef FERRY_WITH_CUDA
   if (ipc()) cancel_copies(t);
+  if (t.staged) drop_staged(t);  // after the halt: no job uses a chunk any more
 #endif
   if (t.ended_by_owner && t.link && t.link->conn != nullptr) t.link->conn->expect_answers(-1);
   erase_pending(t.claim_req);

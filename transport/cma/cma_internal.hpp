@@ -93,6 +93,7 @@ struct CmaTransport::Job {
   std::vector<iovec> local;
   std::vector<iovec> remote;
   std::uint64_t bytes = 0;
+  std::uint64_t unit = 0;  ///< cma staging: the transfer's StagedUnit it copies; 0: none
   // Results.
   std::uint64_t moved = 0;
   int err = 0;
@@ -100,6 +101,18 @@ struct CmaTransport::Job {
   bool skipped = false;  // the transfer stopped before the job ran
   /// The copy itself; on a pool thread, or on the loop for small transfers.
   void run() noexcept;
+};
+
+/// cma with CUDA memory on the active side (cma_staging.cpp): up to chunk_size bytes of a
+/// transfer's consecutive CUDA segments, passed through one pinned host chunk. A read copies
+/// the owner's ranges into the chunk on the pool, then the chunk to the device; a write copies
+/// the device into the chunk, then the chunk to the owner on the pool.
+struct StagedUnit {
+  std::byte* chunk = nullptr;
+  std::vector<Segment> pieces;  ///< the device ranges, in the chunk's order
+  std::uint64_t bytes = 0;
+  std::vector<std::uint64_t> copies;  ///< device copies queued and not yet ended
+  bool queued = false;                ///< its process_vm_* job is on the pool
 };
 
 class CmaTransfer final : public Transfer {
@@ -142,6 +155,11 @@ class CmaTransfer final : public Transfer {
   std::vector<std::byte> handles;  ///< the owner's HANDLES payload, once received
   bool handles_whole = false;
   std::map<std::uint64_t, std::uint64_t> copies;  ///< GPU copies under way: id -> bytes
+  // cma staging (cma_staging.cpp).
+  bool staged = false;         ///< some local segment is CUDA memory
+  bool waiting_chunk = false;  ///< no chunk was free: pumped again when one comes back
+  std::map<std::uint64_t, StagedUnit> units;  ///< chunks in use, by unit id
+  std::uint64_t next_unit = 1;
 };
 
 using tcp::code_from_wire;

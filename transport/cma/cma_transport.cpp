@@ -101,6 +101,11 @@ CmaTransport::CmaTransport(uv_loop_t* loop, Defer defer, Options options)
   // side's either.
   caps_.memory_kinds =
       ipc() ? bit(MemoryKind::cuda) | bit(MemoryKind::host) : bit(MemoryKind::host);
+#ifdef FERRY_WITH_CUDA
+  // cma: CUDA memory of the active side is staged through pinned host chunks
+  // (cma_staging.cpp); the owner's memory is host memory still (register_exposed).
+  if (!ipc() && options_.cuda != nullptr) caps_.memory_kinds |= bit(MemoryKind::cuda);
+#endif
   caps_.same_host_only = true;
   caps_.passive_cpu_free = true;
   if (options_.chunk_size == 0 || options_.parallel == 0)
@@ -185,6 +190,7 @@ void CmaTransport::close() {
     t->copy->halt();
 #ifdef FERRY_WITH_CUDA
     if (ipc()) cancel_copies(*t);
+    if (t->staged) drop_staged(*t);
 #endif
     t->finished = true;
     t->owner = nullptr;
@@ -192,6 +198,7 @@ void CmaTransport::close() {
   transfers_.clear();
 #ifdef FERRY_WITH_CUDA
   engine_.reset();
+  staging_.reset();  // every chunk is back (drop_staged above)
 #endif
   pending_.clear();
   // Peers may still copy under grants of exposures never revoked; the memory is the owner's
@@ -216,7 +223,8 @@ void CmaTransport::close() {
 
 std::shared_ptr<const Registration> CmaTransport::register_memory(const Region& region) {
   // cuda_ipc: the active side's memory may be host memory too (the GPU copies to and from it).
-  if (!ipc() && region.kind != MemoryKind::host)
+  // cma: CUDA memory of the active side too, where the driver is usable (cma_staging.cpp).
+  if (!ipc() && !caps_.moves(region.kind))
     throw Error(ErrorCode::Unsupported, "cma moves host memory only");
   return registrations_.acquire(region);
 }
@@ -229,6 +237,12 @@ std::shared_ptr<const Registration> CmaTransport::register_exposed(const Region&
     // Memory that cannot be shared is refused here, so the operation is not offered by this
     // method (another one moves it).
     (void)handles_of(Exposure{0, {}, Access::read, {region}});
+  } else if (region.kind != MemoryKind::host) {
+    // A peer's process_vm_readv/writev cannot reach this process's device memory: cma stages
+    // CUDA memory of its active side only, so the operation is not offered by cma.
+    throw Error(ErrorCode::Unsupported,
+                "cma does not serve CUDA memory (process_vm_readv/writev cannot reach it; "
+                "cuda_ipc or tcp moves it)");
   }
   return register_memory(region);
 }

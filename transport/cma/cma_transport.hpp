@@ -54,6 +54,9 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
     std::uint32_t grant_slots = 16384;  ///< operations claimed at once, at most
     /// The CUDA driver: this transport is the cuda_ipc method (FERRY_WITH_CUDA builds only).
     const cuda::CudaApi* cuda_ipc = nullptr;
+    /// cma: the CUDA driver, to stage CUDA memory of the active side through pinned host
+    /// chunks (cma_staging.cpp); null: host memory only (FERRY_WITH_CUDA builds only).
+    const cuda::CudaApi* cuda = nullptr;
   };
   using Defer = std::function<void(std::function<void()>)>;
 
@@ -98,6 +101,7 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
     std::uint64_t conn = 0;
   };
   struct Job;
+  struct Staging;
 
   tcp::Connection::Handler& handler() noexcept { return *this; }
 
@@ -157,6 +161,24 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   /// Stops the transfer's GPU copies (waits for those under way) and gives their grants back.
   void cancel_copies(CmaTransfer& t);
 
+  // cma staging of CUDA memory on the active side (cma_staging.cpp).
+  void pump_staged(CmaTransfer& t);
+  /// A staging chunk for device `ordinal`'s memory, or null when all are held.
+  std::byte* acquire_chunk(int ordinal);
+  void chunk_freed();
+  void queue_staged_job(CmaTransfer& t, std::uint64_t unit);
+  /// The process_vm_* job of `unit` ended without error.
+  void staged_job_done(CmaTransfer& t, std::uint64_t unit);
+  void queue_device_copies(CmaTransfer& t, std::uint64_t unit);
+  void staged_copied(std::uint64_t transfer, std::uint64_t unit, std::uint64_t copy,
+                     const std::optional<Error>& error);
+  /// A unit's bytes are in place: its chunk goes back.
+  void unit_done(CmaTransfer& t, std::uint64_t unit);
+  void staging_failed(CmaTransfer& t, const Error& error);
+  /// Cancels the transfer's device copies (waiting for one under way) and gives its chunks
+  /// back; its jobs must have been halted.
+  void drop_staged(CmaTransfer& t);
+
   void add_pending(std::uint64_t req, const Pending& p);
   void erase_pending(std::uint64_t req);
   tcp::Connection* find_conn(std::uint64_t id);
@@ -199,8 +221,9 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
   std::unordered_map<std::uint64_t, CmaTransfer*> transfers_;
   std::unordered_map<std::uint64_t, Pending> pending_;
 
-  std::unique_ptr<cuda::CopyEngine> engine_;  ///< cuda_ipc: made on the first copy
+  std::unique_ptr<cuda::CopyEngine> engine_;  ///< cuda_ipc, cma staging: made on the first copy
   mutable std::unique_ptr<VmmExports> vmm_;   ///< cuda_ipc: the VMM allocations shared
+  std::shared_ptr<Staging> staging_;          ///< cma: pinned chunks, made on the first need
 
   std::shared_ptr<int> life_ = std::make_shared<int>(0);
 };

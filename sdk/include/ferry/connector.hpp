@@ -39,8 +39,8 @@ struct MethodInfo {
   /// Why it is not offered (no permission, left out by the transports option, ...), or what
   /// it needs of a peer when it is.
   std::string detail;
-  /// Whether it moves CUDA memory (descriptors on cuda:N) in this build, where the CUDA
-  /// driver is usable.
+  /// Whether it moves CUDA memory (descriptors on cuda:N) on both sides in this build, where
+  /// the CUDA driver is usable (cma stages the active side's CUDA memory, but exposes none).
   bool moves_cuda = false;
   /// Whether it moves host memory on both sides: every method but cuda_ipc does (cuda_ipc
   /// copies the owner's CUDA memory to or from the active side's host memory, but exposes none).

@@ -42,7 +42,9 @@ struct TcpOptions {
 /// The same-host transport's settings (cma: process_vm_readv / process_vm_writev).
 struct CmaOptions {
   /// Bytes one copy job moves under one grant from the owner; also the most an owner's
-  /// cancel() waits for (one job's copy). Jobs run on libuv's thread pool.
+  /// cancel() waits for (one job's copy). Jobs run on libuv's thread pool. Also the size of
+  /// the pinned host chunks the active side stages its CUDA memory through (2 × parallel of
+  /// them, made on first use; docs/cuda.md).
   std::size_t chunk_size = 4u << 20;
   /// Copy jobs an active operation keeps in flight at once (each on a thread-pool thread;
   /// libuv's pool has UV_THREADPOOL_SIZE threads, 4 by default).
