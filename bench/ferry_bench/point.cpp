@@ -237,8 +237,10 @@ std::string unavailable_reason(const std::string& method, const std::string& nat
        ferry::probe_methods(connector_options(method, nats_url, "ferry-bench"))) {
     if (m.method != method) continue;
     if (!m.available) return m.detail.empty() ? "not available here" : m.detail;
-    if (device >= 0 && !m.moves_cuda)
-      return method + " does not move CUDA memory (cuda:" + std::to_string(device) + ") here";
+    // moves_cuda false (cma): CUDA memory on the initiator's side only, where the driver is
+    // usable (else the point's device memory cannot be made, and says why).
+    if (device >= 0 && !m.moves_cuda && exposed)
+      return method + " does not expose CUDA memory (cuda:" + std::to_string(device) + ") here";
     // moves_host false (cuda_ipc): host memory on the initiator's side only.
     if (device < 0 && !m.moves_host && exposed) return method + " does not expose host memory";
     return {};

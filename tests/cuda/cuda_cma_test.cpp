@@ -36,6 +36,7 @@ namespace cuda = transport::cuda;
 using test::ended_with;
 using test::eventually;
 using test::Memory;
+using test::Pieces;
 using namespace std::chrono_literals;
 
 constexpr auto kWait = std::chrono::seconds(120);
@@ -164,28 +165,6 @@ INSTANTIATE_TEST_SUITE_P(All, CudaCmaPairs,
                                   std::to_string(std::get<1>(p.param)) +
                                   (std::get<2>(p.param) ? "_read" : "_write");
                          });
-
-/// Pieces of one patterned stream, each on its own memory.
-struct Pieces {
-  std::vector<std::unique_ptr<Memory>> memory;
-  std::vector<Descriptor> descriptors;
-  Pieces(const std::vector<std::pair<int, std::size_t>>& layout, std::uint64_t seed) {
-    std::uint64_t offset = 0;
-    for (auto [ordinal, size] : layout) {
-      auto& m = memory.emplace_back(std::make_unique<Memory>(ordinal, size));
-      if (seed != 0) m->fill(seed, offset);
-      descriptors.push_back(m->descriptor());
-      offset += size;
-    }
-  }
-  void expect_stream(std::uint64_t seed) const {
-    std::uint64_t offset = 0;
-    for (std::size_t i = 0; i < memory.size(); ++i) {
-      EXPECT_EQ(memory[i]->mismatch(seed, offset), -1) << "piece " << i;
-      offset += memory[i]->size();
-    }
-  }
-};
 
 TEST_F(CudaCma, ScatterListsMixHostAndDeviceMemoryOnTheActiveSide) {
   ConnectorOptions small = options("peer");

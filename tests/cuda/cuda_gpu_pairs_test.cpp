@@ -42,7 +42,6 @@ std::string missing(const std::string& method) {
   for (const MethodInfo& m : probe_methods(o)) {
     if (m.method != method) continue;
     if (!m.available) return method + " is not offered here: " + m.detail;
-    if (!m.moves_cuda) return method + " does not move CUDA memory here";
     return {};
   }
   return method + " is not built into this ferry";
