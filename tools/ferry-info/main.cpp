@@ -278,6 +278,9 @@ json cuda_memory_facts(const json& methods) {
                              std::to_string(info->version % 1000 / 10);
   std::string detail = driver + "; " + (names.empty() ? "no device" : names) + "; ";
   detail += movers.empty() ? "no method offered here moves it yet" : "moved by " + join(movers);
+  for (const json& m : methods)
+    if (m["method"] == "cma" && m["available"].get<bool>())
+      detail += "; by cma on the active side only (staged there)";
   return {{"kind", "cuda"},          {"supported", !movers.empty()},    {"detail", detail},
           {"driver", info->library}, {"driver_version", info->version}, {"devices", devices}};
 #else
