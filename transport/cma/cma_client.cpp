@@ -248,34 +248,38 @@ void CmaTransport::pump(CmaTransfer& t) {
     copy_inline(t);
     return;
   }
-  while (!t.finished && t.jobs < options_.parallel && t.seg < t.spec.segments.size()) {
-    auto job = std::make_unique<Job>();
-    job->life = life_;
-    job->transport = this;
-    job->transfer = t.id;
-    job->state = t.copy;
-    job->link = t.link;
-    job->grant = t.grant;
-    job->access = t.spec.access;
-    while (job->bytes < options_.chunk_size && job->local.size() < kIovMax &&
-           t.seg < t.spec.segments.size()) {
-      const Segment& s = t.spec.segments[t.seg];
-      const std::uint64_t len =
-          std::min<std::uint64_t>(options_.chunk_size - job->bytes, s.len - t.seg_off);
-      job->local.push_back({s.local + t.seg_off, len});
-      job->remote.push_back({reinterpret_cast<void*>(s.remote_addr + t.seg_off), len});
-      job->bytes += len;
-      t.seg_off += len;
-      if (t.seg_off == s.len) {
-        ++t.seg;
-        t.seg_off = 0;
-      }
+  while (!t.finished && t.jobs < options_.parallel && t.seg < t.spec.segments.size())
+    queue_job(t, /*host_only=*/false);
+}
+
+void CmaTransport::queue_job(CmaTransfer& t, bool host_only) {
+  auto job = std::make_unique<Job>();
+  job->life = life_;
+  job->transport = this;
+  job->transfer = t.id;
+  job->state = t.copy;
+  job->link = t.link;
+  job->grant = t.grant;
+  job->access = t.spec.access;
+  const std::vector<Segment>& segs = t.spec.segments;
+  while (job->bytes < options_.chunk_size && job->local.size() < kIovMax && t.seg < segs.size() &&
+         (!host_only || segs[t.seg].cuda_device < 0)) {
+    const Segment& s = segs[t.seg];
+    const std::uint64_t len =
+        std::min<std::uint64_t>(options_.chunk_size - job->bytes, s.len - t.seg_off);
+    job->local.push_back({s.local + t.seg_off, len});
+    job->remote.push_back({reinterpret_cast<void*>(s.remote_addr + t.seg_off), len});
+    job->bytes += len;
+    t.seg_off += len;
+    if (t.seg_off == s.len) {
+      ++t.seg;
+      t.seg_off = 0;
     }
-    job->req.data = job.get();
-    ++t.jobs;
-    uv_queue_work(loop_, &job->req, &CmaTransport::run_job, &CmaTransport::after_job);
-    job.release();  // after_job owns it
   }
+  job->req.data = job.get();
+  ++t.jobs;
+  uv_queue_work(loop_, &job->req, &CmaTransport::run_job, &CmaTransport::after_job);
+  job.release();  // after_job owns it
 }
 
 void CmaTransport::copy_inline(CmaTransfer& t) {

@@ -137,6 +137,9 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
                                     std::string& error, bool& setup);
   void send_claim(CmaTransfer& t);
   void pump(CmaTransfer& t);
+  /// Queues one copy job of the transfer's next pieces, up to a chunk (`host_only`: up to the
+  /// next segment of CUDA memory).
+  void queue_job(CmaTransfer& t, bool host_only);
   void copy_inline(CmaTransfer& t);
   static void run_job(uv_work_t* req);
   static void after_job(uv_work_t* req, int status);
