@@ -261,7 +261,9 @@ void VerbsTransport::cm_event(rdma_cm_event& ev) {
       return;
     case RDMA_CM_EVENT_DISCONNECTED:
     case RDMA_CM_EVENT_DEVICE_REMOVAL:
-      fail_conn(*conn, ErrorCode::PeerLost, what);
+      // A local port going down may reach us as a disconnect before its async event (or a
+      // flushed completion) does: the port is named either way.
+      fail_conn(*conn, ErrorCode::PeerLost, what + port_down(*conn));
       return;
     default:
       return;
@@ -508,12 +510,17 @@ void VerbsTransport::completion(const ibv_wc& wc) {
 
 std::string VerbsTransport::why_failed(const Conn& conn, ibv_wc_status status) {
   std::string text = wc_status_text(status);
-  if (conn.dev == nullptr || status == IBV_WC_REM_ACCESS_ERR) return text;
+  if (status == IBV_WC_REM_ACCESS_ERR) return text;
+  return text + port_down(conn);
+}
+
+std::string VerbsTransport::port_down(const Conn& conn) {
+  if (conn.dev == nullptr) return {};
   const std::uint8_t port = conn.cm != nullptr && conn.cm->port_num != 0 ? conn.cm->port_num : 1;
   ibv_port_attr attr{};
   if (api_.query_port(conn.dev->ctx, port, &attr) == 0 && attr.state != IBV_PORT_ACTIVE)
-    text += " (" + conn.dev->name + " port " + std::to_string(port) + " is down)";
-  return text;
+    return " (" + conn.dev->name + " port " + std::to_string(port) + " is down)";
+  return {};
 }
 
 void VerbsTransport::send_completion(Conn& conn, const ibv_wc& wc) {

@@ -219,6 +219,8 @@ class VerbsTransport final : public Transport {
   /// What an error completion on `conn` means, with the state of its port when that explains
   /// it ("transport retry counter exceeded (sim0 port 1 is down)").
   std::string why_failed(const Conn& conn, ibv_wc_status status);
+  /// " (<device> port N is down)" when the port under `conn` is not active, else empty.
+  std::string port_down(const Conn& conn);
   void send_completion(Conn& conn, const ibv_wc& wc);
   void recv_completion(Conn& conn, const ibv_wc& wc);
   void post_recv(Conn& conn, std::uint32_t slot);
