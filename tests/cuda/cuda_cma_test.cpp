@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tests/cuda/device_memory.hpp"
+#include "tests/cuda/simulated_driver.hpp"
 #include "tests/support/child_process.hpp"
 #include "tests/support/exchange.hpp"
 #include "tests/support/patterns.hpp"
@@ -41,11 +42,8 @@ using namespace std::chrono_literals;
 
 constexpr auto kWait = std::chrono::seconds(120);
 
-// Before main: ctest sets both too; this is for running the binary by hand.
-const bool kFakeDriver = [] {
-  return ::setenv("FERRY_CUDA_DRIVER", FERRY_FAKE_CUDA_PATH, 0) == 0 &&
-         ::setenv("FERRY_FAKE_CUDA_COPY_US", "200", 0) == 0;
-}();
+// Before main (ctest sets both too).
+const bool kFakeDriver = test::use_simulated_driver("200");
 
 /// Options that do not read the environment; cma, and tcp for what cma does not serve.
 ConnectorOptions options(std::string name, std::vector<std::string> transports = {"tcp", "cma"}) {
@@ -77,12 +75,9 @@ bool has_endpoint(const RdmaMetadata& m, const std::string& method) {
 
 /// Copies the simulated driver has made in this process (every kind, synchronous ones too).
 unsigned long long device_copies() {
-  void* lib = ::dlopen(FERRY_FAKE_CUDA_PATH, RTLD_NOW | RTLD_NOLOAD);
-  auto fn = reinterpret_cast<void (*)(unsigned long long*)>(
-      lib != nullptr ? ::dlsym(lib, "ferry_fake_cuda_counters") : nullptr);
+  auto* fn = test::simulated_function<void(unsigned long long*)>("ferry_fake_cuda_counters");
   unsigned long long out[4] = {};
   if (fn != nullptr) fn(out);
-  if (lib != nullptr) ::dlclose(lib);
   return out[3];
 }
 
@@ -100,7 +95,7 @@ void expect_chunks_back() {
       << cuda::StagingPool::held_in_process() << " staging chunks still held";
 }
 
-std::string where(int ordinal) { return ordinal < 0 ? "host" : "cuda" + std::to_string(ordinal); }
+using test::where;
 
 class CudaCma : public ::testing::Test {
  protected:

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/cuda/simulated_driver.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
 #include "transport/cuda/copy_engine.hpp"
@@ -24,11 +25,8 @@ namespace {
 
 namespace cuda = transport::cuda;
 
-// Before main: ctest sets both too; this is for running the binary by hand.
-const bool kFakeDriver = [] {
-  return ::setenv("FERRY_CUDA_DRIVER", FERRY_FAKE_CUDA_PATH, 0) == 0 &&
-         ::setenv("FERRY_FAKE_CUDA_COPY_US", "2000", 0) == 0;
-}();
+// Before main (ctest sets both too).
+const bool kFakeDriver = test::use_simulated_driver("2000");
 
 /// Device memory of the simulated driver, freed at the end; the thread's context is left as
 /// it was.

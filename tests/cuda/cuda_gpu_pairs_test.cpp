@@ -54,13 +54,9 @@ bool exposes(const std::string& method, int device) {
   return true;
 }
 
-std::string where(int device) { return device < 0 ? "host" : "cuda" + std::to_string(device); }
+using test::where;
 
-std::uint64_t operations_by(const Connector& c, const std::string& method) {
-  for (const MethodStats& m : c.stats().methods)
-    if (m.method == method) return m.complete.operations;
-  return 0;
-}
+using test::operations_by;
 
 // The other process: its method from the environment.
 TEST(GpuPeer, DISABLED_Serve) {

@@ -21,6 +21,7 @@
 
 #include "tests/cuda/device_memory.hpp"
 #include "tests/cuda/peer_child.hpp"
+#include "tests/cuda/simulated_driver.hpp"
 #include "tests/support/util.hpp"
 
 namespace ferry {
@@ -32,11 +33,8 @@ using test::Memory;
 
 constexpr auto kWait = std::chrono::seconds(60);
 
-// Before main: ctest sets both too; this is for running the binary by hand.
-const bool kFakeDriver = [] {
-  return ::setenv("FERRY_CUDA_DRIVER", FERRY_FAKE_CUDA_PATH, 0) == 0 &&
-         ::setenv("FERRY_FAKE_CUDA_COPY_US", "200", 0) == 0;
-}();
+// Before main (ctest sets both too).
+const bool kFakeDriver = test::use_simulated_driver("200");
 
 ConnectorOptions ipc_only(const std::string& name) {
   ConnectorOptions o = test::named(name);
@@ -53,30 +51,19 @@ std::string ipc_missing() {
 
 /// This process's IPC handles opened and closed, as the simulated driver counts them.
 std::pair<unsigned long long, unsigned long long> ipc_counts() {
-  void* lib = ::dlopen(FERRY_FAKE_CUDA_PATH, RTLD_NOW | RTLD_NOLOAD);
-  auto fn = reinterpret_cast<void (*)(unsigned long long*)>(
-      lib != nullptr ? ::dlsym(lib, "ferry_fake_cuda_ipc_counts") : nullptr);
+  auto* fn = test::simulated_function<void(unsigned long long*)>("ferry_fake_cuda_ipc_counts");
   unsigned long long out[2] = {0, 0};
   if (fn != nullptr) fn(out);
-  if (lib != nullptr) ::dlclose(lib);
   return {out[0], out[1]};
 }
 
 /// This process's imports of VMM allocations, as the simulated driver counts them.
 unsigned long long vmm_imports() {
-  void* lib = ::dlopen(FERRY_FAKE_CUDA_PATH, RTLD_NOW | RTLD_NOLOAD);
-  auto fn = reinterpret_cast<unsigned long long (*)()>(
-      lib != nullptr ? ::dlsym(lib, "ferry_fake_cuda_vmm_imports") : nullptr);
-  const unsigned long long n = fn != nullptr ? fn() : 0;
-  if (lib != nullptr) ::dlclose(lib);
-  return n;
+  auto* fn = test::simulated_function<unsigned long long()>("ferry_fake_cuda_vmm_imports");
+  return fn != nullptr ? fn() : 0;
 }
 
-std::uint64_t operations_by(const Connector& c, const std::string& method) {
-  for (const MethodStats& m : c.stats().methods)
-    if (m.method == method) return m.complete.operations;
-  return 0;
-}
+using test::operations_by;
 
 // ---- The other process ------------------------------------------------------------------
 

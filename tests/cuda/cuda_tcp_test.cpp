@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "tests/cuda/device_memory.hpp"
+#include "tests/cuda/simulated_driver.hpp"
 #include "tests/support/child_process.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
@@ -35,13 +36,10 @@ using test::eventually;
 
 constexpr auto kWait = std::chrono::seconds(120);
 
-// Before main: ctest sets both too; this is for running the binary by hand.
-const bool kFakeDriver = [] {
-  return ::setenv("FERRY_CUDA_DRIVER", FERRY_FAKE_CUDA_PATH, 0) == 0 &&
-         ::setenv("FERRY_FAKE_CUDA_COPY_US", "200", 0) == 0;
-}();
+// Before main (ctest sets both too).
+const bool kFakeDriver = test::use_simulated_driver("200");
 
-std::string where(int ordinal) { return ordinal < 0 ? "host" : "cuda" + std::to_string(ordinal); }
+using test::where;
 
 class CudaTcp : public ::testing::Test {
  protected:

@@ -19,6 +19,7 @@
 
 #include "sdk/src/transport_registry.hpp"
 #include "tests/cuda/device_memory.hpp"
+#include "tests/cuda/simulated_driver.hpp"
 #include "tests/support/child_process.hpp"
 #include "tests/support/sim_verbs.hpp"
 #include "tests/support/simverbs/simverbs.hpp"
@@ -40,13 +41,10 @@ using namespace std::chrono_literals;
 constexpr auto kWait = std::chrono::seconds(120);
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
-// Before main: ctest sets both too; this is for running the binary by hand.
-const bool kFakeDriver = [] {
-  return ::setenv("FERRY_CUDA_DRIVER", FERRY_FAKE_CUDA_PATH, 0) == 0 &&
-         ::setenv("FERRY_FAKE_CUDA_COPY_US", "200", 0) == 0;
-}();
+// Before main (ctest sets both too).
+const bool kFakeDriver = test::use_simulated_driver("200");
 
-std::string where(int ordinal) { return ordinal < 0 ? "host" : "cuda" + std::to_string(ordinal); }
+using test::where;
 
 ConnectorOptions options(std::string name) {
   ConnectorOptions o = test::named(std::move(name));

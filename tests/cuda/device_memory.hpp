@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,6 +25,11 @@ namespace cuda = transport::cuda;
 inline const cuda::CudaApi& api() {
   static const cuda::CudaApi* a = cuda::system_cuda();
   return *a;
+}
+
+/// "host" for ordinal -1, else "cuda<N>" (test names).
+inline std::string where(int ordinal) {
+  return ordinal < 0 ? "host" : "cuda" + std::to_string(ordinal);
 }
 
 /// How device memory is made.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <thread>
@@ -32,6 +33,13 @@ inline ConnectorOptions named(std::string name) {
 
 /// The same, restricted to tcp: for tests of the tcp transport itself, or of SDK behaviour
 /// that needs tcp's pace (a transfer slowed down by tiny chunks).
+/// Operations of `c` completed by `method`, as its stats count them (both sides).
+inline std::uint64_t operations_by(const Connector& c, const std::string& method) {
+  for (const MethodStats& m : c.stats().methods)
+    if (m.method == method) return m.complete.operations;
+  return 0;
+}
+
 inline ConnectorOptions tcp_only(std::string name) {
   ConnectorOptions o = named(std::move(name));
   o.transports = {"tcp"};

@@ -1,6 +1,7 @@
 // The simulated CUDA driver (tests/support/fake_cuda/), loaded as ferry loads a driver: through
 // system_cuda() and FERRY_CUDA_DRIVER. These are the behaviours ferry's CUDA tests rely on.
 
+#include "tests/cuda/simulated_driver.hpp"
 #include "transport/cuda/cuda_api.hpp"
 
 #include <dlfcn.h>
@@ -29,10 +30,8 @@ namespace cuda = ferry::transport::cuda;
 #define CHILD_CHECK(cond, code) \
   if (!(cond)) ::_exit(code)
 
-// Before main: ctest sets the variable too, this is for running the binary by hand.
-const bool g_driver_set = [] {
-  return ::setenv("FERRY_CUDA_DRIVER", FERRY_FAKE_CUDA_PATH, 0) == 0;
-}();
+// Before main (ctest sets the variable too).
+const bool g_driver_set = ferry::test::use_simulated_driver();
 
 constexpr size_t kMiB = size_t{1} << 20;
 
@@ -52,12 +51,9 @@ int exit_status(pid_t pid) {
 
 // The fake's copy totals: h2d, d2h, d2d bytes, copies.
 std::vector<unsigned long long> counters() {
-  void* lib = ::dlopen(FERRY_FAKE_CUDA_PATH, RTLD_NOW | RTLD_NOLOAD);
-  auto fn = reinterpret_cast<void (*)(unsigned long long*)>(
-      lib != nullptr ? ::dlsym(lib, "ferry_fake_cuda_counters") : nullptr);
+  auto* fn = ferry::test::simulated_function<void(unsigned long long*)>("ferry_fake_cuda_counters");
   std::vector<unsigned long long> out(4, 0);
   if (fn != nullptr) fn(out.data());
-  if (lib != nullptr) ::dlclose(lib);
   return out;
 }
 

@@ -252,7 +252,7 @@ void CmaTransport::pump(CmaTransfer& t) {
     queue_job(t, /*host_only=*/false);
 }
 
-void CmaTransport::queue_job(CmaTransfer& t, bool host_only) {
+std::unique_ptr<CmaTransport::Job> CmaTransport::new_job(CmaTransfer& t) {
   auto job = std::make_unique<Job>();
   job->life = life_;
   job->transport = this;
@@ -261,6 +261,11 @@ void CmaTransport::queue_job(CmaTransfer& t, bool host_only) {
   job->link = t.link;
   job->grant = t.grant;
   job->access = t.spec.access;
+  return job;
+}
+
+void CmaTransport::queue_job(CmaTransfer& t, bool host_only) {
+  std::unique_ptr<Job> job = new_job(t);
   const std::vector<Segment>& segs = t.spec.segments;
   while (job->bytes < options_.chunk_size && job->local.size() < kIovMax && t.seg < segs.size() &&
          (!host_only || segs[t.seg].cuda_device < 0)) {

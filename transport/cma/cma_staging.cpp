@@ -154,14 +154,7 @@ void CmaTransport::pump_staged(CmaTransfer& t) {
 
 void CmaTransport::queue_staged_job(CmaTransfer& t, std::uint64_t unit) {
   StagedUnit& u = t.units.at(unit);
-  auto job = std::make_unique<Job>();
-  job->life = life_;
-  job->transport = this;
-  job->transfer = t.id;
-  job->state = t.copy;
-  job->link = t.link;
-  job->grant = t.grant;
-  job->access = t.spec.access;
+  std::unique_ptr<Job> job = new_job(t);
   job->unit = unit;
   std::uint64_t off = 0;
   for (const Segment& p : u.pieces) {

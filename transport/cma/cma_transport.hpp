@@ -137,6 +137,8 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
                                     std::string& error, bool& setup);
   void send_claim(CmaTransfer& t);
   void pump(CmaTransfer& t);
+  /// A copy job of `t`, under its grant, with nothing to copy yet.
+  std::unique_ptr<Job> new_job(CmaTransfer& t);
   /// Queues one copy job of the transfer's next pieces, up to a chunk (`host_only`: up to the
   /// next segment of CUDA memory).
   void queue_job(CmaTransfer& t, bool host_only);
