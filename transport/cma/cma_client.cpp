@@ -236,8 +236,6 @@ void CmaTransport::pump(CmaTransfer& t) {
     pump_ipc(t);
     return;
   }
-#endif
-#ifdef FERRY_WITH_CUDA
   // CUDA memory on this side: through staging chunks (cma_staging.cpp), never inline.
   if (t.staged) {
     pump_staged(t);
