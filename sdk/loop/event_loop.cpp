@@ -2,7 +2,6 @@
 
 #include "loop/uv_handle.hpp"
 
-#include <cstdio>
 #include <exception>
 #include <utility>
 
@@ -18,6 +17,7 @@ struct EventLoop::Shared {
   uv_idle_t* idle = nullptr;    // active while work is deferred: the loop must not block
   uv_check_t* check = nullptr;  // runs deferred work right after the turn's I/O
   std::atomic<std::thread::id> loop_thread{};
+  Log log;
 
   std::mutex mu;
   std::vector<Task> queue;  // guarded by mu
@@ -30,21 +30,22 @@ struct EventLoop::Shared {
 
 namespace {
 
-void run_guarded(const EventLoop::Task& task) {
+void run_guarded(const Log& log, const EventLoop::Task& task) {
   // Exceptions must not unwind through libuv's C frames; call() tasks capture their own.
   try {
     task();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "ferry: loop task failed: %s\n", e.what());
+    log.error(std::string("a loop task failed: ") + e.what());
   } catch (...) {
-    std::fprintf(stderr, "ferry: loop task failed\n");
+    log.error("a loop task failed");
   }
 }
 
 }  // namespace
 
-EventLoop::EventLoop(uv_loop_t* external) : shared_(std::make_shared<Shared>()) {
+EventLoop::EventLoop(uv_loop_t* external, Log log) : shared_(std::make_shared<Shared>()) {
   Shared& s = *shared_;
+  s.log = std::move(log);
   embedded_ = external != nullptr;
   if (embedded_) {
     s.loop = external;
@@ -72,7 +73,7 @@ EventLoop::EventLoop(uv_loop_t* external) : shared_(std::make_shared<Shared>()) 
   thread_ = std::thread([keep = shared_] {
     uv_run(keep->loop, UV_RUN_DEFAULT);
     if (uv_loop_close(keep->loop) != 0)
-      std::fprintf(stderr, "ferry: event loop closed with handles still open\n");
+      keep->log.error("the event loop closed with handles still open");
   });
   s.loop_thread.store(thread_.get_id());
 }
@@ -81,6 +82,8 @@ EventLoop::~EventLoop() {
   close(nullptr);
   if (thread_.joinable()) thread_.join();
 }
+
+const Log& EventLoop::log() const noexcept { return shared_->log; }
 
 bool EventLoop::in_loop_thread() const noexcept {
   return shared_->loop_thread.load(std::memory_order_relaxed) == std::this_thread::get_id();
@@ -107,7 +110,7 @@ void EventLoop::defer(Task task) {
   Shared& s = *shared_;
   if (s.check == nullptr) {
     // Closed: no later turn will come; run it now.
-    run_guarded(task);
+    run_guarded(s.log, task);
     return;
   }
   s.deferred.push_back(std::move(task));
@@ -127,7 +130,7 @@ void EventLoop::run_deferred(Shared& s) {
   for (int round = 0; round < 64 && !s.deferred.empty(); ++round) {
     std::vector<Task> tasks;
     tasks.swap(s.deferred);
-    for (auto& task : tasks) run_guarded(task);
+    for (auto& task : tasks) run_guarded(s.log, task);
   }
 }
 
@@ -139,7 +142,7 @@ void EventLoop::on_async(uv_async_t* handle) {
     std::lock_guard lock(s.mu);
     tasks.swap(s.queue);
   }
-  for (auto& task : tasks) run_guarded(task);
+  for (auto& task : tasks) run_guarded(s.log, task);
 }
 
 void EventLoop::on_check(uv_check_t* handle) {
@@ -158,7 +161,7 @@ void EventLoop::close(Task teardown) {
   auto done = std::make_shared<std::promise<void>>();
   auto finished = done->get_future();
   Task finish = [s, done, teardown = std::move(teardown)] {
-    if (teardown) run_guarded(teardown);
+    if (teardown) run_guarded(s->log, teardown);
     // Callbacks of the operations the teardown ended still run, here, on the loop thread.
     while (!s->deferred.empty()) run_deferred(*s);
     std::vector<Task> dropped;

@@ -13,6 +13,8 @@
 
 #include <ferry/error.hpp>
 
+#include "loop/log.hpp"
+
 namespace ferry::loop {
 
 /// One libuv loop: ferry's own thread, or a caller's loop (embedded mode). Every state change
@@ -25,13 +27,15 @@ class EventLoop {
 
   /// Owned mode (external == nullptr): starts a loop thread. Embedded mode: attaches to
   /// `external`; must be called on the thread that runs it, or while it is not running.
-  explicit EventLoop(uv_loop_t* external = nullptr);
+  /// `log` gets the failures of tasks (which are caught, never unwound through libuv).
+  explicit EventLoop(uv_loop_t* external = nullptr, Log log = {});
   /// Closes the loop if close() was not called.
   ~EventLoop();
   EventLoop(const EventLoop&) = delete;
   EventLoop& operator=(const EventLoop&) = delete;
 
   uv_loop_t* uv() const noexcept { return loop_; }
+  const Log& log() const noexcept;
   bool in_loop_thread() const noexcept;
 
   /// Queues `task` for the loop. Any thread. False (and `task` dropped) once closed.

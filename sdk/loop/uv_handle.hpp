@@ -3,13 +3,14 @@
 #include <uv.h>
 
 #include <cstddef>
-#include <cstdio>
 #include <exception>
 #include <string>
 #include <type_traits>
 #include <utility>
 
 #include <ferry/error.hpp>
+
+#include "loop/log.hpp"
 
 namespace ferry::loop {
 
@@ -104,10 +105,10 @@ using Idle = UvHandle<uv_idle_t>;
 namespace ferry::loop {
 
 /// Runs `fn` from a libuv callback: an exception must never unwind through libuv's C frames
-/// (that would terminate the process). It is reported on stderr with `where`, and `on_error`
+/// (that would terminate the process). It is logged as an error with `where`, and `on_error`
 /// (when given) gets its text so the caller can fail what the callback was serving.
 template <class F, class G = std::nullptr_t>
-void guarded(const char* where, F&& fn, G&& on_error = nullptr) noexcept {
+void guarded(const Log& log, const char* where, F&& fn, G&& on_error = nullptr) noexcept {
   std::string what;
   try {
     fn();
@@ -117,7 +118,7 @@ void guarded(const char* where, F&& fn, G&& on_error = nullptr) noexcept {
   } catch (...) {
     what = "unknown exception";
   }
-  std::fprintf(stderr, "ferry: %s failed: %s\n", where, what.c_str());
+  log.error(std::string(where) + " failed: " + what);
   if constexpr (!std::is_same_v<std::decay_t<G>, std::nullptr_t>) {
     try {
       on_error(what.c_str());

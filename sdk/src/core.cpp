@@ -133,7 +133,7 @@ Core::Core(ConnectorOptions opts)
 void Core::start() {
   NatsOptions nats_options = resolve(options.nats, identity.name);
   const std::vector<std::string> wanted = resolve_transports(options);
-  loop = std::make_unique<loop::EventLoop>(options.loop);
+  loop = std::make_unique<loop::EventLoop>(options.loop, resolve_log(options, identity.name));
   try {
     loop->call([&] {
       TransportContext context;
@@ -141,6 +141,7 @@ void Core::start() {
       context.defer = [this](std::function<void()> task) { loop->defer(std::move(task)); };
       context.options = &options;
       context.identity = &identity;
+      context.log = loop->log();
       context.bind_address = options.tcp.bind_address;
       if (!nats_options.servers.empty()) {
         nats = std::make_unique<sidechannel::NatsChannel>(*loop, nats_options, identity.id);

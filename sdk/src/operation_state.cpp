@@ -1,7 +1,6 @@
 #include "sdk/src/operation_state.hpp"
 
 #include <algorithm>
-#include <cstdio>
 
 #include "loop/ids.hpp"
 #include "sdk/src/core.hpp"
@@ -42,7 +41,7 @@ void OperationState::on_deadline(uv_timer_t* timer) {
   if (self == nullptr) return;
   // Keep the state alive through finish(): the table holds it only weakly.
   auto keep = self->shared_from_this();
-  loop::guarded("operation deadline", [&] {
+  loop::guarded(self->core->loop->log(), "operation deadline", [&] {
     self->finish(OperationStatus::errored,
                  Error(ErrorCode::Timeout, self->deadline_text(self->timeout_)));
   });
@@ -62,7 +61,7 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
   try {
     release(final_status, reason);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "ferry: releasing operation %s: %s\n", id_hex.c_str(), e.what());
+    core->loop->log().error("releasing operation " + id_hex + ": " + e.what());
   }
   deadline_.reset();
   core->live.erase(id);

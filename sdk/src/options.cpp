@@ -64,7 +64,7 @@ NatsOptions resolve(NatsOptions o, const std::string& connector_name) {
 
 std::vector<std::string> resolve_transports(const ConnectorOptions& o) {
   std::vector<std::string> wanted = o.transports;
-  if (wanted.empty() && o.nats.use_environment)
+  if (wanted.empty() && o.use_environment)
     if (const char* v = std::getenv("FERRY_TRANSPORTS")) wanted = split_list(v);
   if (wanted.empty()) return wanted;
   std::vector<std::string> known;
@@ -77,6 +77,18 @@ std::vector<std::string> resolve_transports(const ConnectorOptions& o) {
                 "transports: unknown method '" + w + "' (this build has " + list + ")");
   }
   return wanted;
+}
+
+loop::Log resolve_log(const ConnectorOptions& o, const std::string& connector_name) {
+  LogOptions log = o.log;
+  if (o.use_environment && log.level == LogOptions{}.level)
+    if (const char* v = std::getenv("FERRY_LOG"); v != nullptr && *v != '\0') {
+      if (!loop::parse_level(v, log.level))
+        throw Error(ErrorCode::InvalidArgument,
+                    "FERRY_LOG='" + loop::sanitized_utf8(v) +
+                        "' names no level (debug, info, warning, error, off)");
+    }
+  return loop::Log(std::move(log), connector_name);
 }
 
 void check_subject(const std::string& subject, const std::string& prefix) {

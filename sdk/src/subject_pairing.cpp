@@ -22,7 +22,7 @@ void on_retry(uv_timer_t* timer) {
   if (op == nullptr || is_final(op->status())) return;
   auto keep = op->shared_from_this();
   loop::guarded(
-      "metadata request",
+      op->core->loop->log(), "metadata request",
       [&] {
         if (op->core->nats) ask(*op);
       },

@@ -33,6 +33,7 @@ std::unique_ptr<transport::Transport> make_tcp(const TransportContext& c, std::s
   tcp.peer_timeout = o.peer_timeout;
   tcp.local_name = c.identity->name;
   tcp.local_id = std::stoull(c.identity->id, nullptr, 16);
+  tcp.log = c.log;
 #ifdef FERRY_WITH_CUDA
   // CUDA memory is staged through pinned host buffers where the driver is usable.
   tcp.cuda = transport::cuda::usable_driver();
@@ -42,7 +43,7 @@ std::unique_ptr<transport::Transport> make_tcp(const TransportContext& c, std::s
 
 bool cma_ptracer_any(const ConnectorOptions& o) {
   if (o.cma.ptracer_any) return true;
-  if (!o.nats.use_environment) return false;
+  if (!o.use_environment) return false;
   const char* v = std::getenv("FERRY_CMA_PTRACER_ANY");
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
@@ -62,6 +63,7 @@ transport::cma::CmaTransport::Options cma_options(const TransportContext& c) {
   cma.peer_timeout = o.peer_timeout;
   cma.local_name = c.identity->name;
   cma.local_id = std::stoull(c.identity->id, nullptr, 16);
+  cma.log = c.log;
   return cma;
 }
 
@@ -131,6 +133,7 @@ std::unique_ptr<transport::Transport> make_verbs_transport(const TransportContex
   v.peer_timeout = o.peer_timeout;
   v.local_name = c.identity->name;
   v.local_id = std::stoull(c.identity->id, nullptr, 16);
+  v.log = c.log;
 #ifdef FERRY_WITH_CUDA
   // CUDA memory is registered with the NIC (dmabuf, peermem) or staged, where the driver is
   // usable.

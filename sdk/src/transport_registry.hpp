@@ -8,6 +8,7 @@
 #include <ferry/options.hpp>
 #include <ferry/rdma_metadata.hpp>
 
+#include "loop/log.hpp"
 #include "transport/transport.hpp"
 
 struct uv_loop_s;
@@ -25,6 +26,8 @@ struct TransportContext {
   std::function<void(std::function<void()>)> defer;
   const ConnectorOptions* options = nullptr;
   const PeerIdentity* identity = nullptr;
+  /// The connector's log.
+  loop::Log log;
   /// The address to listen on for network methods: TcpOptions::bind_address, else the NATS
   /// socket's local address, else 127.0.0.1.
   std::string bind_address;

@@ -49,6 +49,7 @@ const bool kFakeDriver = test::use_simulated_driver("200");
 ConnectorOptions options(std::string name, std::vector<std::string> transports = {"tcp", "cma"}) {
   ConnectorOptions o = test::named(std::move(name));
   o.transports = std::move(transports);
+  o.use_environment = false;
   o.nats.use_environment = false;
   return o;
 }

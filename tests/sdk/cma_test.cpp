@@ -78,6 +78,7 @@ constexpr auto kWait = 120s;
 ConnectorOptions options(std::string name, std::vector<std::string> transports = {"tcp", "cma"}) {
   ConnectorOptions o = test::named(std::move(name));
   o.transports = std::move(transports);
+  o.use_environment = false;
   o.nats.use_environment = false;
   return o;
 }

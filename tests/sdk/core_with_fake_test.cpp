@@ -36,7 +36,8 @@ constexpr auto kWait = 30s;
 ConnectorOptions options(std::string name, std::vector<std::string> transports) {
   ConnectorOptions o = test::named(std::move(name));
   o.transports = std::move(transports);
-  o.nats.use_environment = false;  // neither FERRY_NATS_URL nor FERRY_TRANSPORTS
+  o.use_environment = false;       // no FERRY_TRANSPORTS
+  o.nats.use_environment = false;  // no FERRY_NATS_URL
   return o;
 }
 

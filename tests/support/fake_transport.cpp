@@ -65,7 +65,7 @@ struct FakeMailbox : std::enable_shared_from_this<FakeMailbox> {
     }
     for (auto& task : tasks) {
       if (self->owner == nullptr) break;  // closed by an earlier task of this batch
-      loop::guarded("fake transport", [&] { task(*self->owner); });
+      loop::guarded(loop::Log{}, "fake transport", [&] { task(*self->owner); });
     }
   }
 };

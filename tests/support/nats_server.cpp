@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 #include <thread>
@@ -46,7 +47,12 @@ std::uint16_t free_port() {
 
 NatsServer::NatsServer(Options options) : options_(std::move(options)) {
   if (options_.port == 0) options_.port = free_port();
-  std::string base = "nats-" + std::to_string(::getpid()) + "-" + std::to_string(options_.port);
+  // In the temporary directory, never the working directory: a test killed before its
+  // destructor runs must not leave files in the tree it was started from.
+  std::string base = (std::filesystem::temp_directory_path() /
+                      ("ferry-nats-" + std::to_string(::getpid()) + "-" +
+                       std::to_string(options_.port)))
+                         .string();
   log_path_ = base + ".log";
   if (!options_.config.empty()) {
     config_path_ = base + ".conf";

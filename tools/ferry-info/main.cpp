@@ -203,7 +203,7 @@ std::vector<ferry::MethodInfo> probe(const Args& args, json& restricted) {
     restricted["error"] = std::string(e.what()) + "; a connector here refuses to start";
     restricted["ignored"] = restricted["methods"];
     restricted["methods"] = json::array();
-    options.nats.use_environment = false;
+    options.use_environment = false;
     return ferry::probe_methods(options);
   }
 }

@@ -198,7 +198,8 @@ std::shared_ptr<PeerLink> CmaTransport::link_to(const TransferSpec& spec, const 
   const std::uint64_t id = next_conn_++;
   auto conn =
       std::make_unique<tcp::Connection>(loop_, handler(), tcp::Connection::Role::client, sock, id,
-                                        spec.endpoint.address, options_.peer_timeout, false);
+                                        spec.endpoint.address, options_.peer_timeout, false,
+                                        options_.log);
   conn->set_peer_name(spec.peer_name);
   link->conn = conn.get();
   conns_[id] = std::move(conn);
@@ -310,7 +311,7 @@ void CmaTransport::after_job(uv_work_t* req, int) {
   std::unique_ptr<Job> job(static_cast<Job*>(req->data));
   if (job->life.expired()) return;  // the transport is closed
   CmaTransport* self = job->transport;
-  loop::guarded("cma copy", [&] { self->job_done(*job); });
+  loop::guarded(self->options_.log, "cma copy", [&] { self->job_done(*job); });
 }
 
 void CmaTransport::job_done(Job& job) {

@@ -44,11 +44,9 @@ tcp::Connection* CmaTransport::end_claim(std::uint64_t conn_id, std::uint64_t id
     // cancel()'s promise: once this returns, no copy of the peer touches the memory. Copy jobs
     // last a chunk; a peer that outlives peer_timeout holding the grant is reported.
     if (!close_grant(it->second))
-      std::fprintf(stderr,
-                   "ferry: cma: a peer still held a copy grant on operation %016llx %lld ms after "
-                   "it ended; its memory may still be touched by that copy\n",
-                   static_cast<unsigned long long>(id),
-                   static_cast<long long>(options_.peer_timeout.count()));
+      options_.log.error("cma: a peer still held a copy grant on operation " + loop::hex16(id) +
+                         " " + std::to_string(options_.peer_timeout.count()) +
+                         " ms after it ended; its memory may still be touched by that copy");
     claimed_.erase(it);
   }
   if (conn != nullptr) conn->expect_answers(-1);  // the claim no longer waits for this peer

@@ -260,7 +260,7 @@ std::vector<std::byte> CmaTransport::handles_of(const Exposure&) const {
 void CmaTransport::on_listen(uv_poll_t* handle, int status, int) {
   auto* self = static_cast<CmaTransport*>(handle->data);
   if (status < 0 || self == nullptr || self->closed_) return;
-  loop::guarded("cma listener", [self] { self->accept_all(); });
+  loop::guarded(self->options_.log, "cma listener", [self] { self->accept_all(); });
 }
 
 void CmaTransport::accept_all() {
@@ -269,7 +269,7 @@ void CmaTransport::accept_all() {
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK)
-        std::fprintf(stderr, "ferry: cma accept failed: %s\n", errno_text(errno).c_str());
+        options_.log.warning("cma: accepting a connection failed: " + errno_text(errno));
       return;
     }
     if (accepted_.size() >= kMaxAccepted) {
@@ -287,7 +287,7 @@ void CmaTransport::accept_all() {
     const std::uint64_t id = next_conn_++;
     conns_[id] = std::make_unique<tcp::Connection>(loop_, handler(), tcp::Connection::Role::server,
                                                    fd, id, "pid " + std::to_string(a.pid),
-                                                   options_.peer_timeout, false);
+                                                   options_.peer_timeout, false, options_.log);
     accepted_[id] = a;
   }
 }

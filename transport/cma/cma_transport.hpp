@@ -52,6 +52,7 @@ class CmaTransport final : public Transport, private tcp::Connection::Handler {
     std::string local_name;
     std::uint64_t local_id = 0;
     std::uint32_t grant_slots = 16384;  ///< operations claimed at once, at most
+    loop::Log log;
     /// The CUDA driver: this transport is the cuda_ipc method (FERRY_WITH_CUDA builds only).
     const cuda::CudaApi* cuda_ipc = nullptr;
     /// cma: the CUDA driver, to stage CUDA memory of the active side through pinned host

@@ -30,8 +30,10 @@ ScopedContext::~ScopedContext() {
   if (changed_) (void)api_.ctx_set_current(previous_);
 }
 
-CopyEngine::CopyEngine(uv_loop_t* loop, const CudaApi& api)
-    : api_(api), async_(loop::Async::async(loop, &CopyEngine::on_async, this)) {
+CopyEngine::CopyEngine(uv_loop_t* loop, const CudaApi& api, loop::Log log)
+    : api_(api),
+      log_(std::move(log)),
+      async_(loop::Async::async(loop, &CopyEngine::on_async, this)) {
   mailbox_->async = async_.get();
   // The handle keeps the loop alive only while copies are in flight (hold()).
   uv_unref(reinterpret_cast<uv_handle_t*>(async_.get()));
@@ -53,7 +55,7 @@ CopyEngine::~CopyEngine() {
       (void)api_.stream_synchronize(d.stream);
       (void)api_.stream_destroy(d.stream);
     } catch (const Error& e) {
-      std::fprintf(stderr, "ferry: closing the CUDA stream of cuda:%d: %s\n", ordinal, e.what());
+      log_.warning("closing the CUDA stream of cuda:" + std::to_string(ordinal) + ": " + e.what());
     }
     CUdevice dev = d.device;
     (void)api_.device_primary_ctx_release(dev);
@@ -155,7 +157,7 @@ void CopyEngine::deliver() {
     pending_.erase(it);
     if (pending_.empty()) hold(false);
     std::optional<Error> error = stream_error(ordinal);
-    loop::guarded("a CUDA copy's completion", [&] { done(error); });
+    loop::guarded(log_, "a CUDA copy's completion", [&] { done(error); });
   }
 }
 

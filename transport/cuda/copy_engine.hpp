@@ -48,7 +48,7 @@ class CopyEngine {
   /// queued on the same stream, whose failures are sticky) failed.
   using Done = std::function<void(const std::optional<Error>& error)>;
 
-  CopyEngine(uv_loop_t* loop, const CudaApi& api);
+  CopyEngine(uv_loop_t* loop, const CudaApi& api, loop::Log log = {});
   /// Waits for the copies in flight (their memory may be freed right after), without
   /// running their Done.
   ~CopyEngine();
@@ -99,6 +99,7 @@ class CopyEngine {
   std::optional<Error> stream_error(int ordinal);
 
   const CudaApi& api_;
+  loop::Log log_;
   std::map<int, Device> devices_;
   std::map<std::uint64_t, Pending> pending_;
   std::uint64_t next_id_ = 1;

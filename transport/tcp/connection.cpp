@@ -32,9 +32,10 @@ constexpr std::uint64_t kHighBytes = 8u << 20;
 
 Connection::Connection(uv_loop_t* loop, Handler& handler, Role role, int fd, std::uint64_t id,
                        std::string peer_address, std::chrono::milliseconds peer_timeout,
-                       bool connecting)
+                       bool connecting, loop::Log log)
     : loop_(loop),
       handler_(handler),
+      log_(std::move(log)),
       role_(role),
       fd_(fd),
       id_(id),
@@ -134,8 +135,10 @@ void Connection::update_poll() {
 }
 
 void Connection::on_poll(uv_poll_t* handle, int status, int events) {
+  auto* conn = static_cast<Connection*>(handle->data);
+  if (conn == nullptr) return;
   loop::guarded(
-      "tcp connection", [&] { poll_event(handle, status, events); },
+      conn->log_, "tcp connection", [&] { poll_event(handle, status, events); },
       [handle](const char* what) {
         // The stream cannot be trusted after a failure halfway through a frame.
         if (auto* self = static_cast<Connection*>(handle->data); self && !self->closed_)
@@ -166,7 +169,9 @@ void Connection::poll_event(uv_poll_t* handle, int status, int events) {
 }
 
 void Connection::on_timer(uv_timer_t* handle) {
-  loop::guarded("tcp watchdog", [&] { watchdog_fired(handle); });
+  auto* conn = static_cast<Connection*>(handle->data);
+  if (conn == nullptr) return;
+  loop::guarded(conn->log_, "tcp watchdog", [&] { watchdog_fired(handle); });
 }
 
 void Connection::watchdog_fired(uv_timer_t* handle) {

@@ -55,7 +55,8 @@ class Connection {
   /// its HELLO, for answers to requests (expect_answers), or for our last frames to leave
   /// before a close. An idle pooled connection is left alone.
   Connection(uv_loop_t* loop, Handler& handler, Role role, int fd, std::uint64_t id,
-             std::string peer_address, std::chrono::milliseconds peer_timeout, bool connecting);
+             std::string peer_address, std::chrono::milliseconds peer_timeout, bool connecting,
+             loop::Log log = {});
   /// Closes the socket without calling the handler.
   ~Connection();
   Connection(const Connection&) = delete;
@@ -157,6 +158,7 @@ class Connection {
 
   uv_loop_t* loop_;
   Handler& handler_;
+  loop::Log log_;
   Role role_;
   int fd_;
   std::uint64_t id_;

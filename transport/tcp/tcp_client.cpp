@@ -75,7 +75,7 @@ Connection* TcpTransport::connect_to(const SocketAddress& address, const std::st
   }
   std::uint64_t id = next_conn_++;
   auto conn = std::make_unique<Connection>(loop_, handler(), Connection::Role::client, fd, id, key,
-                                           options_.peer_timeout, connecting);
+                                           options_.peer_timeout, connecting, options_.log);
   conn->set_peer_name(peer_name);
   Connection* raw = conn.get();
   conns_[id] = std::move(conn);

@@ -144,7 +144,7 @@ void TcpTransport::close() {
 void TcpTransport::on_listen(uv_poll_t* handle, int status, int) {
   auto* self = static_cast<TcpTransport*>(handle->data);
   if (status < 0 || self == nullptr || self->closed_) return;
-  loop::guarded("tcp listener", [self] { self->accept_all(); });
+  loop::guarded(self->options_.log, "tcp listener", [self] { self->accept_all(); });
 }
 
 void TcpTransport::accept_all() {
@@ -158,8 +158,8 @@ void TcpTransport::accept_all() {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       // Out of descriptors or memory: the listener stays readable, so stop watching it for a
       // moment instead of spinning, and say so once per pause.
-      std::fprintf(stderr, "ferry: tcp accept failed (%s); pausing the listener for 100 ms\n",
-                   socket_error_text(errno).c_str());
+      options_.log.warning("tcp: accepting a connection failed (" + socket_error_text(errno) +
+                           "); pausing the listener for 100 ms");
       uv_poll_stop(listen_poll_.get());
       uv_timer_start(
           listen_retry_.get(),
@@ -183,7 +183,8 @@ void TcpTransport::accept_all() {
     apply_peer_options(fd, options_.peer_timeout);
     std::uint64_t id = next_conn_++;
     conns_[id] = std::make_unique<Connection>(loop_, handler(), Connection::Role::server, fd, id,
-                                              peer.to_string(), options_.peer_timeout, false);
+                                              peer.to_string(), options_.peer_timeout, false,
+                                              options_.log);
     unclaimed_.emplace(id, id);
     if (unclaimed_.size() == 1) arm_sweep();
   }

@@ -51,6 +51,7 @@ class TcpTransport final : public Transport, private Connection::Handler {
     std::chrono::milliseconds peer_timeout{2000};
     std::string local_name;      ///< sent in HELLO, shown in peers' errors
     std::uint64_t local_id = 0;  ///< the connector's id, sent in HELLO
+    loop::Log log;               ///< where failures the transport cannot report otherwise go
 #ifdef FERRY_WITH_CUDA
     /// The CUDA driver; when set, CUDA memory is moved too, staged through pinned host
     /// chunks of chunk_size bytes (docs/design.md).

@@ -211,7 +211,7 @@ Device* VerbsTransport::device_of(ibv_context* ctx) {
 void VerbsTransport::on_comp(uv_poll_t* handle, int status, int) {
   auto* dev = static_cast<Device*>(handle->data);
   if (dev == nullptr || status < 0) return;
-  loop::guarded("verbs completion poller", [dev] { dev->owner->comp_ready(*dev); });
+  loop::guarded(dev->owner->options_.log, "verbs completion poller", [dev] { dev->owner->comp_ready(*dev); });
 }
 
 void VerbsTransport::comp_ready(Device& dev) {
@@ -286,7 +286,7 @@ void VerbsTransport::arm_watchdog() {
 void VerbsTransport::on_watchdog(uv_timer_t* timer) {
   auto* self = static_cast<VerbsTransport*>(timer->data);
   if (self == nullptr) return;
-  loop::guarded("verbs watchdog", [self, timer] {
+  loop::guarded(self->options_.log, "verbs watchdog", [self, timer] {
     for (auto& dev : self->devices_) {
       ++self->counters_.watchdog_polls;
       if (self->drain(*dev) == 0) continue;
@@ -309,7 +309,7 @@ void VerbsTransport::on_watchdog(uv_timer_t* timer) {
 void VerbsTransport::on_async(uv_poll_t* handle, int status, int) {
   auto* dev = static_cast<Device*>(handle->data);
   if (dev == nullptr || status < 0) return;
-  loop::guarded("verbs async events", [dev] { dev->owner->async_ready(*dev); });
+  loop::guarded(dev->owner->options_.log, "verbs async events", [dev] { dev->owner->async_ready(*dev); });
 }
 
 void VerbsTransport::async_ready(Device& dev) {

@@ -189,7 +189,7 @@ void VerbsTransport::close() {
 void VerbsTransport::on_cm(uv_poll_t* handle, int status, int) {
   auto* self = static_cast<VerbsTransport*>(handle->data);
   if (self == nullptr || status < 0) return;
-  loop::guarded("verbs rdma_cm events", [self] { self->cm_ready(); });
+  loop::guarded(self->options_.log, "verbs rdma_cm events", [self] { self->cm_ready(); });
 }
 
 void VerbsTransport::cm_ready() {
@@ -415,7 +415,7 @@ std::shared_ptr<Conn> VerbsTransport::link_to(const tcp::SocketAddress& dst, std
       [](uv_timer_t* t) {
         auto* c = static_cast<Conn*>(t->data);
         if (c == nullptr) return;
-        loop::guarded("verbs connect deadline", [c] {
+        loop::guarded(c->owner->options_.log, "verbs connect deadline", [c] {
           c->owner->fail_conn(*c, ErrorCode::PeerLost, "no connection within the deadline", true);
         });
       },

@@ -70,6 +70,7 @@ class VerbsTransport final : public Transport {
     std::chrono::milliseconds peer_timeout{2000};
     std::string local_name;
     std::uint64_t local_id = 0;
+    loop::Log log;
 #ifdef FERRY_WITH_CUDA
     /// The CUDA driver; when set, CUDA memory is moved too: registered with the NIC by dmabuf
     /// or nvidia-peermem (GPUDirect RDMA), else staged by the active side through pinned host

@@ -5,6 +5,7 @@
 #include <ferry/descriptor.hpp>
 #include <ferry/device.hpp>
 #include <ferry/error.hpp>
+#include <ferry/log.hpp>
 #include <ferry/operation.hpp>
 #include <ferry/operation_status.hpp>
 #include <ferry/options.hpp>

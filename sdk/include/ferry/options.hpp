@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <ferry/log.hpp>
+
 // libuv's loop type, declared here so that this header does not pull in uv.h.
 struct uv_loop_s;
 
@@ -54,7 +56,8 @@ struct CmaOptions {
   /// Where Yama's ptrace_scope is 1 (Ubuntu's default), only a process's ancestors may read
   /// it, so peers cannot use cma toward this process and it is not offered. Set this to let
   /// any process of the same user in (prctl PR_SET_PTRACER_ANY, for the whole process), and
-  /// offer cma. FERRY_CMA_PTRACER_ANY=1 sets it too (when use_environment is set in `nats`).
+  /// offer cma. FERRY_CMA_PTRACER_ANY=1 sets it too (when ConnectorOptions::use_environment
+  /// is on).
   bool ptracer_any = false;
 };
 
@@ -83,7 +86,7 @@ struct VerbsOptions {
 enum class SideChannelEvent { disconnected, reconnected, closed, error };
 
 /// The NATS side channel's settings. Every string left empty is read from the environment
-/// variable named beside it (unless use_environment is false). With no server at all, the
+/// variable named beside it (unless this struct's use_environment is false). With no server at all, the
 /// connector has no side channel: explicit metadata still works, subjects do not.
 struct NatsOptions {
   /// Server URLs, e.g. "nats://10.0.0.5:4222"; several for a cluster. FERRY_NATS_URL
@@ -109,6 +112,8 @@ struct NatsOptions {
   /// How long one metadata request waits for an answer before it is sent again (requests
   /// are retried until the operation's deadline).
   std::chrono::milliseconds request_timeout{1000};
+  /// Whether the FERRY_NATS_* variables fill what is left empty here. The connector's other
+  /// variables follow ConnectorOptions::use_environment.
   bool use_environment = true;
   /// Called on the loop thread when the connection drops, comes back, closes or errs.
   std::function<void(SideChannelEvent event, const std::string& detail)> on_event;
@@ -130,13 +135,18 @@ struct ConnectorOptions {
   std::chrono::milliseconds peer_timeout{2000};
   /// The methods this connector may use, by name ("tcp", "cma"), as offered and as chosen;
   /// empty: every method built and available here. FERRY_TRANSPORTS (comma-separated) when
-  /// empty and use_environment is set in `nats`.
+  /// empty and use_environment is on.
   std::vector<std::string> transports;
   /// Networks a peer's endpoint address must lie in before this connector connects to it, as
   /// CIDRs ("10.0.0.0/8", "::1/128"); empty: any. Metadata names the address to connect to:
   /// without a list, whoever can hand metadata to this connector can make it connect anywhere
   /// (see docs/design.md, "Trust").
   std::vector<std::string> endpoint_allow;
+  /// Whether the connector reads FERRY_TRANSPORTS, FERRY_CMA_PTRACER_ANY and FERRY_LOG for
+  /// what is left at its default here. The NATS variables follow NatsOptions::use_environment.
+  bool use_environment = true;
+  /// Where diagnostics go: stderr, warnings and errors, by default (see LogOptions).
+  LogOptions log;
   TcpOptions tcp;
   CmaOptions cma;
   VerbsOptions verbs;
