@@ -7,16 +7,18 @@
 //                                   (tcp and, where offered, cma with its info); descriptors
 //                                   are 64 KiB blocks of a KV cache. Counters: json_bytes, and
 //                                   items_per_second = descriptors per second.
-//   RegCacheHit/regions:R           transport::RegistrationCache::acquire of a range inside one
+//   RegCacheHit/regions:R           transport::kit::RegistrationCache::acquire of a range inside
+//   one
 //                                   of R cached disjoint registrations, visited in a shuffled
 //                                   order (R = 1, 64, 4096)
 //   RegCacheFind/regions:R          find() of the same ranges
 //   RegCacheMiss/regions:R          acquire of a range never seen, on a full cache of R idle
 //                                   registrations (max_idle = R): registers it (a trivial
 //                                   register function) and evicts the least recently used one
-//   FrameEncode, FrameDecode        transport::tcp::encode / decode of one 64-byte header
+//   FrameEncode, FrameDecode        transport::wire::encode / decode of one 64-byte header
 //   FrameDecodeCheck                decode + malformed(), what the receiver does per header
-//   ConnectionParse/frames:B        the real receive state machine (tcp::Connection::read_some)
+//   ConnectionParse/frames:B        the real receive state machine
+//   (wire::StreamConnection::read_some)
 //                                   fed B frames per iteration through an AF_UNIX socketpair,
 //                                   driven by uv_run on a private loop. It reads from its socket
 //                                   only (one read(2) per header, per message, per payload), so
@@ -49,16 +51,16 @@
 
 #include <ferry/ferry.hpp>
 
-#include "transport/registration_cache.hpp"
-#include "transport/tcp/connection.hpp"
-#include "transport/tcp/frame.hpp"
+#include "transport/kit/registration_cache.hpp"
+#include "transport/wire/frame.hpp"
+#include "transport/wire/stream_connection.hpp"
 
 namespace {
 
 using ferry::RdmaMetadata;
 using ferry::RemoteDescriptor;
 namespace transport = ferry::transport;
-namespace tcp = ferry::transport::tcp;
+namespace wire = ferry::transport::wire;
 
 // ---------------------------------------------------------------------------------------------
 // Metadata
@@ -189,7 +191,7 @@ transport::Region fake_region(std::uint64_t addr, std::uint64_t size) {
 
 struct FilledCache {
   std::uint64_t registered = 0;  // calls of the register function
-  transport::RegistrationCache cache;
+  transport::kit::RegistrationCache cache;
   std::vector<std::uint64_t> lookups;  // one address inside each region, in shuffled order
 
   explicit FilledCache(std::size_t regions)
@@ -303,9 +305,9 @@ BENCHMARK(BM_RegCacheMiss)->Name("RegCacheMiss")->Apply(region_args);
 // ---------------------------------------------------------------------------------------------
 // TCP frames
 
-tcp::FrameHeader sample_header() {
-  tcp::FrameHeader h;
-  h.type = tcp::FrameType::read;
+wire::FrameHeader sample_header() {
+  wire::FrameHeader h;
+  h.type = wire::FrameType::read;
   h.status = 0;
   h.msg_len = 0;
   h.req_id = 0x1234567;
@@ -316,26 +318,26 @@ tcp::FrameHeader sample_header() {
   return h;
 }
 
-bool same(const tcp::FrameHeader& a, const tcp::FrameHeader& b) {
+bool same(const wire::FrameHeader& a, const wire::FrameHeader& b) {
   return a.magic == b.magic && a.version == b.version && a.type == b.type && a.flags == b.flags &&
          a.status == b.status && a.msg_len == b.msg_len && a.req_id == b.req_id &&
          a.op_id == b.op_id && a.addr == b.addr && a.len == b.len && a.token == b.token;
 }
 
 bool round_trips(benchmark::State& state) {
-  const tcp::FrameHeader h = sample_header();
-  const tcp::HeaderBytes bytes = tcp::encode(h);
-  if (!same(tcp::decode(bytes.data()), h)) {
+  const wire::FrameHeader h = sample_header();
+  const wire::HeaderBytes bytes = wire::encode(h);
+  if (!same(wire::decode(bytes.data()), h)) {
     state.SkipWithError("decode(encode(h)) != h");
     return false;
   }
-  if (!tcp::malformed(h).empty()) {
+  if (!wire::malformed(h).empty()) {
     state.SkipWithError("malformed() refused a good header");
     return false;
   }
-  tcp::FrameHeader bad = h;
+  wire::FrameHeader bad = h;
   bad.magic ^= 1;
-  if (tcp::malformed(bad).empty()) {
+  if (wire::malformed(bad).empty()) {
     state.SkipWithError("malformed() accepted a bad magic");
     return false;
   }
@@ -344,10 +346,10 @@ bool round_trips(benchmark::State& state) {
 
 void BM_FrameEncode(benchmark::State& state) {
   if (!round_trips(state)) return;
-  tcp::FrameHeader h = sample_header();
+  wire::FrameHeader h = sample_header();
   for (auto _ : state) {
     benchmark::DoNotOptimize(&h);
-    tcp::HeaderBytes bytes = tcp::encode(h);
+    wire::HeaderBytes bytes = wire::encode(h);
     benchmark::DoNotOptimize(bytes.data());
     benchmark::ClobberMemory();
     ++h.req_id;
@@ -358,10 +360,10 @@ BENCHMARK(BM_FrameEncode)->Name("FrameEncode");
 
 void BM_FrameDecode(benchmark::State& state) {
   if (!round_trips(state)) return;
-  tcp::HeaderBytes bytes = tcp::encode(sample_header());
+  wire::HeaderBytes bytes = wire::encode(sample_header());
   for (auto _ : state) {
     benchmark::DoNotOptimize(bytes.data());
-    tcp::FrameHeader h = tcp::decode(bytes.data());
+    wire::FrameHeader h = wire::decode(bytes.data());
     benchmark::DoNotOptimize(&h);
     benchmark::ClobberMemory();
   }
@@ -371,12 +373,12 @@ BENCHMARK(BM_FrameDecode)->Name("FrameDecode");
 
 void BM_FrameDecodeCheck(benchmark::State& state) {
   if (!round_trips(state)) return;
-  tcp::HeaderBytes bytes = tcp::encode(sample_header());
+  wire::HeaderBytes bytes = wire::encode(sample_header());
   std::size_t bad = 0;
   for (auto _ : state) {
     benchmark::DoNotOptimize(bytes.data());
-    tcp::FrameHeader h = tcp::decode(bytes.data());
-    bad += tcp::malformed(h).empty() ? 0 : 1;
+    wire::FrameHeader h = wire::decode(bytes.data());
+    bad += wire::malformed(h).empty() ? 0 : 1;
     benchmark::DoNotOptimize(&h);
     benchmark::ClobberMemory();
   }
@@ -386,23 +388,22 @@ void BM_FrameDecodeCheck(benchmark::State& state) {
 BENCHMARK(BM_FrameDecodeCheck)->Name("FrameDecodeCheck");
 
 // Counts what the connection hands up; DATA payloads go to a buffer of its own.
-class CountingHandler : public tcp::Connection::Handler {
+class CountingHandler : public wire::StreamConnection::Handler {
  public:
-  tcp::Connection::Sink on_frame(tcp::Connection&, const tcp::FrameHeader& header,
-                                 std::string message) override {
+  wire::Sink on_frame(wire::StreamConnection&, const wire::FrameHeader& header,
+                      std::string message) override {
     ++frames;
     message_bytes += message.size();
-    if (header.type == tcp::FrameType::data)
-      return tcp::Connection::Sink{payload.data(), 1, false, {}};
+    if (header.type == wire::FrameType::data) return wire::Sink{payload.data(), 1, false, {}};
     return {};
   }
-  void on_payload(tcp::Connection&, const tcp::FrameHeader& header, std::uint64_t,
+  void on_payload(wire::StreamConnection&, const wire::FrameHeader& header, std::uint64_t,
                   bool intact) override {
     payloads += intact ? 1 : 0;
     payload_bytes += header.len;
   }
-  void on_sent(tcp::Connection&, std::uint64_t) override {}
-  void on_closed(tcp::Connection&, const std::string& reason) override { closed = reason; }
+  void on_sent(wire::StreamConnection&, std::uint64_t) override {}
+  void on_closed(wire::StreamConnection&, const std::string& reason) override { closed = reason; }
 
   std::uint64_t frames = 0;
   std::uint64_t message_bytes = 0;
@@ -419,25 +420,25 @@ constexpr std::size_t kDataPayload = 256;
 std::string frame_batch(std::size_t frames) {
   std::string out;
   for (std::size_t i = 0; i < frames; ++i) {
-    tcp::FrameHeader h = sample_header();
+    wire::FrameHeader h = sample_header();
     h.req_id = i + 1;
     std::string tail;
     switch (i % 3) {
       case 0:
-        h.type = tcp::FrameType::read;
+        h.type = wire::FrameType::read;
         break;
       case 1:
-        h.type = tcp::FrameType::status;
+        h.type = wire::FrameType::status;
         tail.assign(kStatusMessage, 'm');
         h.msg_len = static_cast<std::uint32_t>(tail.size());
         break;
       default:
-        h.type = tcp::FrameType::data;
+        h.type = wire::FrameType::data;
         h.len = kDataPayload;
         tail.assign(kDataPayload, 'p');
         break;
     }
-    tcp::HeaderBytes bytes = tcp::encode(h);
+    wire::HeaderBytes bytes = wire::encode(h);
     out.append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     out += tail;
   }
@@ -460,9 +461,21 @@ void BM_ConnectionParse(benchmark::State& state) {
   std::string error;
   {
     // Owns fds[0]; the peer side (fds[1]) is ours to write.
-    tcp::Connection conn(&loop, handler, tcp::Connection::Role::server, fds[0], 1, "socketpair",
-                         std::chrono::milliseconds(60000), false);
-    conn.set_greeted();
+    wire::StreamConnection conn(&loop, handler, wire::StreamConnection::Role::server, fds[0], 1,
+                                "socketpair", std::chrono::milliseconds(60000), false,
+                                wire::StreamConnection::Hello{"bench", 1}, ferry::loop::Log{});
+    // The peer's HELLO first, as every connection's first frame.
+    {
+      wire::FrameHeader hello;
+      hello.type = wire::FrameType::hello;
+      const wire::HeaderBytes bytes = wire::encode(hello);
+      if (::write(fds[1], bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size()))
+        error = "cannot write HELLO";
+      for (int i = 0; i < 1000 && !conn.greeted(); ++i) uv_run(&loop, UV_RUN_NOWAIT);
+      char drain[256];
+      while (::read(fds[1], drain, sizeof drain) > 0) {
+      }
+    }
 
     // Writes one batch and runs the loop until the connection has handed all of it up.
     auto one_batch = [&]() -> bool {

@@ -11,7 +11,8 @@
 #include <ferry/error.hpp>
 #include <ferry/rdma_metadata.hpp>
 
-#include "transport/registration_cache.hpp"
+#include "transport/memory.hpp"
+#include "transport/registration.hpp"
 
 namespace ferry::transport {
 

@@ -3,7 +3,7 @@
 #include "sdk/src/core.hpp"
 #include "sdk/src/stream_match.hpp"
 #include "sdk/src/subject_pairing.hpp"
-#include "transport/exposure_table.hpp"
+#include "transport/token.hpp"
 
 namespace ferry::detail {
 

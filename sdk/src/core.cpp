@@ -13,10 +13,8 @@
 #include "sdk/src/passive_operation.hpp"
 #include "sdk/src/subject_pairing.hpp"
 #include "sdk/src/transport_registry.hpp"
-#include "transport/exposure_table.hpp"
-#ifdef FERRY_WITH_CUDA
 #include "transport/cuda/cuda_memory.hpp"
-#endif
+#include "transport/token.hpp"
 
 namespace ferry::detail {
 
@@ -40,13 +38,8 @@ std::uint64_t total_of(const std::vector<Descriptor>& local) {
 // Throws why descriptor `i` cannot be used as the CUDA memory it says it is.
 void check_cuda(const Descriptor& d, std::size_t i) {
   const std::string what = "descriptor " + std::to_string(i) + " (" + d.device().to_string() + ")";
-#ifdef FERRY_WITH_CUDA
   if (auto e = transport::cuda::check_device_range(d.ptr(), d.size(), d.device().id()))
     throw Error(e->code(), what + ": " + e->message());
-#else
-  throw Error(ErrorCode::Unsupported,
-              what + ": this ferry was built without CUDA (FERRY_WITH_CUDA=OFF, or no cuda.h)");
-#endif
 }
 
 }  // namespace
@@ -136,12 +129,15 @@ void Core::start() {
   loop = std::make_unique<loop::EventLoop>(options.loop, resolve_log(options, identity.name));
   try {
     loop->call([&] {
-      TransportContext context;
+      transport::Context context;
       context.loop = loop->uv();
       context.defer = [this](std::function<void()> task) { loop->defer(std::move(task)); };
-      context.options = &options;
-      context.identity = &identity;
       context.log = loop->log();
+      context.local_name = identity.name;
+      context.local_id = std::stoull(identity.id, nullptr, 16);
+      context.peer_timeout = options.peer_timeout;
+      context.listener = options.listener;
+      context.cuda = transport::cuda::usable_driver();
       context.bind_address = options.tcp.bind_address;
       if (!nats_options.servers.empty()) {
         nats = std::make_unique<sidechannel::NatsChannel>(*loop, nats_options, identity.id);
@@ -153,25 +149,32 @@ void Core::start() {
                         [this](const sidechannel::Message& m) { pairing::on_notice(*this, m); });
       }
       if (context.bind_address.empty()) context.bind_address = "127.0.0.1";
-      for (const TransportFactory& factory : transport_factories()) {
-        if (!wanted.empty() &&
-            std::find(wanted.begin(), wanted.end(), factory.method) == wanted.end()) {
-          absent.emplace_back(factory.method, kLeftOut);
-          methods.push_back({factory.method, factory.rank, false, kLeftOut, factory.moves_cuda,
-                             factory.moves_host});
+      for (const transport::Method& method : detail::methods()) {
+        MethodInfo info = describe(method);
+        std::optional<Error> refused;
+        if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), method.name) == wanted.end())
+          refused = Error(ErrorCode::Unsupported, kLeftOut);
+        else if (method.unavailable)
+          refused = method.unavailable(options);
+        std::unique_ptr<transport::Transport> t;
+        if (!refused) {
+          try {
+            t = method.make(context, options);
+          } catch (const Error& e) {
+            // This host cannot offer it (a socket refused, no device): the others still run.
+            if (e.code() != ErrorCode::Unsupported) throw;
+            refused = e;
+          }
+        }
+        if (refused) {
+          info.detail = refused->message();
+          absent.emplace_back(method.name, info.detail);
+          methods.push_back(std::move(info));
           continue;
         }
-        std::string why;
-        auto t = factory.make(context, why);
-        if (!t) {
-          absent.emplace_back(factory.method, why);
-          methods.push_back(
-              {factory.method, factory.rank, false, why, factory.moves_cuda, factory.moves_host});
-          continue;
-        }
-        methods.push_back({factory.method, t->capabilities().rank, true, factory.needs,
-                           t->capabilities().moves(transport::MemoryKind::cuda),
-                           t->capabilities().moves(transport::MemoryKind::host)});
+        info.available = true;
+        info.detail = method.needs;
+        methods.push_back(std::move(info));
         transports.push_back(std::move(t));
       }
       std::stable_sort(methods.begin(), methods.end(),
@@ -394,14 +397,14 @@ namespace ferry {
 std::vector<MethodInfo> probe_methods(const ConnectorOptions& options) {
   const std::vector<std::string> wanted = detail::resolve_transports(options);
   std::vector<MethodInfo> out;
-  for (const detail::TransportFactory& f : detail::transport_factories()) {
-    MethodInfo info{f.method, f.rank, false, {}, f.moves_cuda, f.moves_host};
-    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.method) == wanted.end()) {
+  for (const transport::Method& m : detail::methods()) {
+    MethodInfo info = detail::describe(m);
+    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), m.name) == wanted.end()) {
       info.detail = detail::kLeftOut;
     } else {
-      info.detail = f.unavailable ? f.unavailable(options) : std::string();
-      info.available = info.detail.empty();
-      if (info.available) info.detail = f.needs;
+      const std::optional<Error> why = m.unavailable ? m.unavailable(options) : std::nullopt;
+      info.available = !why;
+      info.detail = why ? why->message() : m.needs;
     }
     out.push_back(std::move(info));
   }

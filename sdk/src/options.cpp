@@ -68,7 +68,7 @@ std::vector<std::string> resolve_transports(const ConnectorOptions& o) {
     if (const char* v = std::getenv("FERRY_TRANSPORTS")) wanted = split_list(v);
   if (wanted.empty()) return wanted;
   std::vector<std::string> known;
-  for (const auto& f : transport_factories()) known.push_back(f.method);
+  for (const auto& m : methods()) known.push_back(m.name);
   for (const std::string& w : wanted) {
     if (std::find(known.begin(), known.end(), w) != known.end()) continue;
     std::string list;

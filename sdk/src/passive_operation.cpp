@@ -5,7 +5,7 @@
 #include "loop/ids.hpp"
 #include "sdk/src/core.hpp"
 #include "sdk/src/subject_pairing.hpp"
-#include "transport/exposure_table.hpp"
+#include "transport/token.hpp"
 
 namespace ferry::detail {
 

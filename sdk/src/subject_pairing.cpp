@@ -7,7 +7,7 @@
 #include "sdk/src/core.hpp"
 #include "sdk/src/passive_operation.hpp"
 #include "sidechannel/pairing.hpp"
-#include "transport/exposure_table.hpp"
+#include "transport/token.hpp"
 
 namespace ferry::detail::pairing {
 

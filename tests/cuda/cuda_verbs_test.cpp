@@ -73,7 +73,7 @@ class CudaVerbs : public ::testing::Test {
     fabric(true, false);
   }
   void TearDown() override {
-    detail::remove_transport_factory("verbs");
+    detail::remove_method("verbs");
     fabric(true, false);
     // Every staging chunk is back once the operations are over.
     EXPECT_TRUE(eventually([] { return cuda::StagingPool::held_in_process() == 0; }))

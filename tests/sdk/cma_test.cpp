@@ -517,8 +517,12 @@ class FakeCmaOwner {
     auto c = std::make_unique<test::RawClient>(test::RawClient::Adopt{}, fd);
     auto hello = c->read_any_frame();
     if (!hello || hello->header.type != test::FrameType::hello) return nullptr;
+    // The probe a reader checks: a nonce in this process's memory (the fake's process is the
+    // real owner's), its address and value in HELLO.
     test::FrameHeader h;
     h.type = test::FrameType::hello;
+    h.addr = reinterpret_cast<std::uint64_t>(nonce_.data());
+    h.token = nonce_;
     if (!c->send_frame(h, "fake-owner")) return nullptr;
     auto f = c->read_any_frame();
     if (!f || f->header.type != test::FrameType::claim) return nullptr;
@@ -530,6 +534,7 @@ class FakeCmaOwner {
   std::string address_;
   int fd_ = -1;
   bool ok_ = false;
+  transport::Token nonce_ = transport::random_token();
 };
 
 TEST(CmaBrokenOwner, ATransferOnAConnectionReplacedWhileClosingStillEnds) {
@@ -558,12 +563,12 @@ TEST(CmaBrokenOwner, ATransferOnAConnectionReplacedWhileClosingStillEnds) {
   bad.type = test::FrameType::claimed;
   bad.req_id = claim1.header.req_id;
   bad.op_id = claim1.header.op_id;
-  bad.addr = 0xffffffffu;
-  bad.len = 1;
+  bad.addr = 0xffffffffu | (std::uint64_t{1} << 32);  // slot 0xffffffff, generation 1
+  bad.len = 0;
   ASSERT_TRUE(conn1->send_frame(bad));
   auto notice = conn1->read_any_frame();
   ASSERT_TRUE(notice && notice->header.type == test::FrameType::status &&
-              notice->header.status == test::wire(ErrorCode::ProtocolError))
+              notice->header.status == test::wire_status(ErrorCode::ProtocolError))
       << "no ProtocolError notice";
 
   // Second read toward the same owner, meanwhile: a new connection; the fake refuses it.
@@ -575,7 +580,7 @@ TEST(CmaBrokenOwner, ATransferOnAConnectionReplacedWhileClosingStillEnds) {
   test::FrameHeader no;
   no.type = test::FrameType::status;
   no.req_id = claim2.header.req_id;
-  no.status = test::wire(ErrorCode::AccessDenied);
+  no.status = test::wire_status(ErrorCode::AccessDenied);
   ASSERT_TRUE(conn2->send_frame(no, "refused by the fake owner"));
   EXPECT_EQ(test::ended_with(read2, 5s), ErrorCode::AccessDenied);
 

@@ -54,7 +54,7 @@ ConnectorOptions options(std::string name) {
 class Verbs : public ::testing::Test {
  protected:
   void SetUp() override { test::use_simulated_verbs(); }
-  void TearDown() override { detail::remove_transport_factory("verbs"); }
+  void TearDown() override { detail::remove_method("verbs"); }
   /// A peer on the same fabric; `rate_mbps`: its NIC sends no faster.
   static ChildProcess child(const std::string& name, std::uint64_t rate_mbps = 0) {
     auto config = test::simverbs::current_config();

@@ -16,7 +16,7 @@
 #include "tests/support/patterns.hpp"
 #include "tests/support/raw_peer.hpp"
 #include "tests/support/util.hpp"
-#include "transport/exposure_table.hpp"
+#include "transport/token.hpp"
 
 namespace ferry {
 namespace {
@@ -201,8 +201,8 @@ TEST_F(NatsHostileTest, OnlyTheClaimsSecretEndsAClaimedTransfer) {
   test::RawClient claimant(t.address);
   ASSERT_TRUE(claimant.greet("claimant", 0xabc)) << claimant.error();
   std::vector<std::byte> bytes(16, std::byte{7});
-  ASSERT_TRUE(claimant.send_frame(test::request(transport::tcp::FrameType::write, t, 1, t.base, 16),
-                                  {}, bytes));
+  ASSERT_TRUE(claimant.send_frame(
+      test::request(transport::wire::FrameType::write, t, 1, t.base, 16), {}, bytes));
   ASSERT_TRUE(test::is_ok(claimant.read_frame(), 1)) << claimant.error();
   auto secret = claimant.claim_secret(t.op_id);
   ASSERT_TRUE(secret.has_value()) << "the owner handed the claimant no secret";

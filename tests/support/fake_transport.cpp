@@ -13,7 +13,6 @@ namespace ferry::test {
 using transport::Access;
 using transport::Exposure;
 using transport::ExposureObserver;
-using transport::Exposures;
 using transport::Region;
 using transport::Registration;
 using transport::Segment;
@@ -21,6 +20,7 @@ using transport::Token;
 using transport::Transfer;
 using transport::TransferObserver;
 using transport::TransferSpec;
+using transport::kit::Exposures;
 
 // ---------------------------------------------------------------------------------------
 // The fabric: every live transport's mailbox by its number.
@@ -598,25 +598,26 @@ void FakeTransport::drop_link(const std::string& address, const std::string& why
 // Factory
 
 FakeTransportFactory::FakeTransportFactory(FakeTransport::Options base) : method_(base.method) {
-  detail::TransportFactory factory;
-  factory.method = base.method;
-  factory.make = [base, control = control_, available = available_](
-                     const detail::TransportContext& context,
-                     std::string& why) -> std::unique_ptr<transport::Transport> {
-    if (!available->load()) {
-      why = "switched off by the test";
-      return nullptr;
-    }
+  transport::Method method;
+  method.name = base.method;
+  method.rank = base.rank;
+  method.moves = base.memory_kinds;
+  method.serves = base.memory_kinds;
+  method.same_host_only = base.same_host_only;
+  method.make = [base, control = control_, available = available_](
+                    const transport::Context& context,
+                    const ConnectorOptions&) -> std::unique_ptr<transport::Transport> {
+    if (!available->load()) throw Error(ErrorCode::Unsupported, "switched off by the test");
     FakeTransport::Options o = base;
-    o.local_name = context.identity->name;
-    o.local_id = std::stoull(context.identity->id, nullptr, 16);
+    o.local_name = context.local_name;
+    o.local_id = context.local_id;
     o.control = control;
     ++control->made_;
     return std::make_unique<FakeTransport>(context.loop, context.defer, std::move(o));
   };
-  detail::add_transport_factory(std::move(factory));
+  detail::add_method(std::move(method));
 }
 
-FakeTransportFactory::~FakeTransportFactory() { detail::remove_transport_factory(method_); }
+FakeTransportFactory::~FakeTransportFactory() { detail::remove_method(method_); }
 
 }  // namespace ferry::test

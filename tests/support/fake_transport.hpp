@@ -34,8 +34,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "transport/exposures.hpp"
-#include "transport/registration_cache.hpp"
+#include "transport/kit/exposures.hpp"
+#include "transport/kit/registration_cache.hpp"
 #include "transport/transport.hpp"
 
 namespace ferry::test {
@@ -100,7 +100,7 @@ class FakeTransport final : public transport::Transport {
     std::uint64_t local_id = 0;            ///< the connector's id, given to claims as peer_id
     std::shared_ptr<FakeControl> control;  ///< null: no faults, nothing counted
   };
-  using Defer = std::function<void(std::function<void()>)>;
+  using Defer = transport::Defer;
 
   /// Joins the fabric under a fresh address. Throws Error(InvalidArgument) for a zero chunk size.
   FakeTransport(uv_loop_t* loop, Defer defer, Options options);
@@ -145,7 +145,8 @@ class FakeTransport final : public transport::Transport {
   void serve_done(Request& r);
   void refuse(const Request& r, ErrorCode code, const std::string& message);
   void answer(std::uint64_t to, Reply reply);
-  std::optional<transport::Token> claim(transport::Exposures::Entry& entry, std::uint64_t peer);
+  std::optional<transport::Token> claim(transport::kit::Exposures::Entry& entry,
+                                        std::uint64_t peer);
   std::string describe_peer(std::uint64_t peer) const;
 
   // The active side.
@@ -171,8 +172,8 @@ class FakeTransport final : public transport::Transport {
   bool closed_ = false;
   std::shared_ptr<FakeMailbox> box_;
 
-  transport::Exposures exposures_;
-  transport::RegistrationCache registrations_{nullptr};
+  transport::kit::Exposures exposures_;
+  transport::kit::RegistrationCache registrations_{nullptr};
   std::unordered_map<std::uint64_t, Peer> peers_;  ///< who sent requests, from their requests
   std::unordered_map<std::uint64_t, FakeTransfer*> transfers_;
   std::uint64_t next_transfer_ = 1;
@@ -182,7 +183,7 @@ class FakeTransport final : public transport::Transport {
 };
 
 /// Registers FakeTransport under its method ("fake" by default) with
-/// ferry::detail::add_transport_factory for connectors created while it lives, and removes it
+/// ferry::detail::add_method for connectors created while it lives, and removes it
 /// on destruction. The transports it makes share its control() and take the connector's
 /// name and id. Any thread.
 class FakeTransportFactory {

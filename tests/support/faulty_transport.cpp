@@ -59,27 +59,26 @@ void FaultyTransport::close() {
   inner_->close();
 }
 
-FaultyTransportFactory::FaultyTransportFactory(std::string method) : method_(std::move(method)) {
-  detail::TransportFactory real;
+FaultyTransportFactory::FaultyTransportFactory(std::string name) : method_(std::move(name)) {
+  transport::Method real;
   bool found = false;
-  for (detail::TransportFactory& f : detail::transport_factories())
-    if (f.method == method_) {
-      real = std::move(f);
+  for (transport::Method& m : detail::methods())
+    if (m.name == method_) {
+      real = std::move(m);
       found = true;
     }
   if (!found) throw std::invalid_argument("this build has no method '" + method_ + "'");
-  detail::TransportFactory factory = real;
-  factory.make = [make = real.make, control = control_](
-                     const detail::TransportContext& context,
-                     std::string& why) -> std::unique_ptr<transport::Transport> {
-    auto inner = make(context, why);
-    if (!inner) return nullptr;
+  transport::Method method = real;
+  method.make = [make = real.make, control = control_](
+                    const transport::Context& context,
+                    const ConnectorOptions& options) -> std::unique_ptr<transport::Transport> {
+    auto inner = make(context, options);
     ++control->made_;
     return std::make_unique<FaultyTransport>(std::move(inner), context.defer, control);
   };
-  detail::add_transport_factory(std::move(factory));
+  detail::add_method(std::move(method));
 }
 
-FaultyTransportFactory::~FaultyTransportFactory() { detail::remove_transport_factory(method_); }
+FaultyTransportFactory::~FaultyTransportFactory() { detail::remove_method(method_); }
 
 }  // namespace ferry::test

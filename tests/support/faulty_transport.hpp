@@ -52,7 +52,7 @@ class FaultyControl {
 /// See the file comment. Loop thread only, as the transport it wraps.
 class FaultyTransport final : public transport::Transport {
  public:
-  using Defer = std::function<void(std::function<void()>)>;
+  using Defer = transport::Defer;
   FaultyTransport(std::unique_ptr<transport::Transport> inner, Defer defer,
                   std::shared_ptr<FaultyControl> control);
   ~FaultyTransport() override;
@@ -90,7 +90,7 @@ class FaultyTransport final : public transport::Transport {
   std::shared_ptr<int> life_ = std::make_shared<int>(0);
 };
 
-/// Registers, with ferry::detail::add_transport_factory, a factory that makes the built-in
+/// Registers, with ferry::detail::add_method, a method that makes the built-in
 /// `method`'s transport and wraps it in a FaultyTransport sharing control(); the destructor
 /// removes it, so that connectors created after use the built-in method again. The method's
 /// availability, rank and needs stay the built-in's. Throws std::invalid_argument when this

@@ -24,19 +24,20 @@
 #include <ferry/ferry.hpp>
 
 #include "tests/support/patterns.hpp"
-#include "transport/exposure_table.hpp"
-#include "transport/tcp/frame.hpp"
+#include "transport/kit/exposure_table.hpp"
+#include "transport/wire/frame.hpp"
+#include "transport/wire/status.hpp"
 
 namespace ferry::test {
 
 using transport::Token;
-using transport::tcp::FrameHeader;
-using transport::tcp::FrameType;
+using transport::wire::FrameHeader;
+using transport::wire::FrameType;
 
 constexpr int kSocketTimeoutSeconds = 5;
 constexpr std::size_t kLargestPayloadAccepted = 64u << 20;
 
-constexpr std::uint32_t wire(ErrorCode code) { return static_cast<std::uint32_t>(code); }
+inline std::uint32_t wire_status(ErrorCode code) { return transport::wire::to_wire(code); }
 
 inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -149,7 +150,7 @@ class RawClient {
   bool send_frame(FrameHeader h, std::string_view message = {},
                   const std::vector<std::byte>& payload = {}) {
     h.msg_len = static_cast<std::uint32_t>(message.size());
-    const auto bytes = transport::tcp::encode(h);
+    const auto bytes = transport::wire::encode(h);
     return send_bytes(bytes.data(), bytes.size()) && send_bytes(message.data(), message.size()) &&
            send_bytes(payload.data(), payload.size());
   }
@@ -172,17 +173,17 @@ class RawClient {
 
   /// The next frame, CLAIMED included.
   std::optional<Frame> read_any_frame() {
-    transport::tcp::HeaderBytes bytes{};
+    transport::wire::HeaderBytes bytes{};
     if (!read_exact(bytes.data(), bytes.size())) return std::nullopt;
     Frame f;
-    f.header = transport::tcp::decode(bytes.data());
-    if (auto what = transport::tcp::malformed(f.header); !what.empty()) {
+    f.header = transport::wire::decode(bytes.data());
+    if (auto what = transport::wire::malformed(f.header); !what.empty()) {
       error_ = "the server sent a malformed header: " + what;
       return std::nullopt;
     }
     f.message.resize(f.header.msg_len);
     if (!read_exact(f.message.data(), f.message.size())) return std::nullopt;
-    if (transport::tcp::has_payload(f.header.type)) {
+    if (transport::wire::has_payload(f.header.type)) {
       if (f.header.len > kLargestPayloadAccepted) {
         error_ = "the server announced " + std::to_string(f.header.len) + " bytes of payload";
         return std::nullopt;
@@ -286,12 +287,12 @@ inline ::testing::AssertionResult is_status(const std::optional<Frame>& f, std::
                                             ErrorCode code, const std::string& point) {
   if (!f) return ::testing::AssertionFailure() << "no frame arrived";
   const FrameHeader& h = f->header;
-  if (h.type != FrameType::status || h.req_id != req_id || h.status != wire(code) ||
+  if (h.type != FrameType::status || h.req_id != req_id || h.status != wire_status(code) ||
       !contains(f->message, point))
     return ::testing::AssertionFailure()
            << "got type " << static_cast<int>(h.type) << " req " << h.req_id << " status "
            << h.status << " '" << f->message << "'; wanted STATUS req " << req_id << " status "
-           << wire(code) << " (" << to_string(code) << ") with '" << point << "'";
+           << wire_status(code) << " (" << to_string(code) << ") with '" << point << "'";
   return ::testing::AssertionSuccess();
 }
 

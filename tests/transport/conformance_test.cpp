@@ -29,7 +29,7 @@
 #include "tests/support/fake_transport.hpp"
 #include "tests/support/patterns.hpp"
 #include "transport/cma/cma_transport.hpp"
-#include "transport/exposure_table.hpp"
+#include "transport/kit/exposure_table.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 #include "transport/transport.hpp"
 #ifdef FERRY_WITH_VERBS
@@ -73,19 +73,26 @@ std::function<void(std::function<void()>)> defer_on(loop::EventLoop& loop) {
   return [&loop](std::function<void()> task) { loop.defer(std::move(task)); };
 }
 
+/// What a transport of `params` is built from, on `loop`.
+Context context_on(loop::EventLoop& loop, const Params& p) {
+  Context c;
+  c.loop = loop.uv();
+  c.defer = defer_on(loop);
+  c.local_name = p.name;
+  c.local_id = p.id;
+  c.peer_timeout = 5s;
+  return c;
+}
+
 Harness tcp_harness() {
   return {"tcp",
           [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
-            tcp::TcpTransport::Options o;
-            o.bind_address = "127.0.0.1";
-            o.local_name = p.name;
-            o.local_id = p.id;
-            o.peer_timeout = 5s;
+            TcpOptions o;
             if (p.chunk_size != 0) {
               o.chunk_size = p.chunk_size;
               o.window = p.chunk_size;
             }
-            return std::make_unique<tcp::TcpTransport>(loop.uv(), defer_on(loop), o);
+            return std::make_unique<tcp::TcpTransport>(context_on(loop, p), o);
           },
           [](std::shared_ptr<void>& keep) -> Endpoint {
             // A port bound but not listening: connecting is refused, and nobody else can
@@ -117,11 +124,8 @@ Harness fake_harness() {
           }};
 }
 
-cma::CmaTransport::Options cma_options(const Params& p) {
-  cma::CmaTransport::Options o;
-  o.local_name = p.name;
-  o.local_id = p.id;
-  o.peer_timeout = 5s;
+CmaOptions cma_options(const Params& p) {
+  CmaOptions o;
   if (p.chunk_size != 0) {
     o.chunk_size = p.chunk_size;
     o.parallel = 1;
@@ -133,7 +137,7 @@ cma::CmaTransport::Options cma_options(const Params& p) {
 Harness cma_harness() {
   return {"cma",
           [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
-            return std::make_unique<cma::CmaTransport>(loop.uv(), defer_on(loop), cma_options(p));
+            return std::make_unique<cma::CmaTransport>(context_on(loop, p), cma_options(p));
           },
           [](std::shared_ptr<void>& keep) -> Endpoint {
             // A transport of this process, closed: its socket is gone, its process is not.
@@ -147,7 +151,7 @@ Harness cma_harness() {
             auto dead = std::make_shared<Dead>();
             Endpoint e = dead->loop.call([&] {
               dead->transport = std::make_unique<cma::CmaTransport>(
-                  dead->loop.uv(), defer_on(dead->loop), cma_options({"dead", 9, 0}));
+                  context_on(dead->loop, {"dead", 9, 0}), cma_options({"dead", 9, 0}));
               Endpoint out = dead->transport->endpoints().at(0);
               dead->transport->close();
               return out;
@@ -158,13 +162,8 @@ Harness cma_harness() {
 }
 
 #ifdef FERRY_WITH_VERBS
-verbs::VerbsTransport::Options verbs_options(const Params& p) {
-  verbs::VerbsTransport::Options o;
-  o.api = &test::simverbs::api();
-  o.bind_address = "127.0.0.1";
-  o.local_name = p.name;
-  o.local_id = p.id;
-  o.peer_timeout = 5s;
+VerbsOptions verbs_options(const Params& p) {
+  VerbsOptions o;
   if (p.chunk_size != 0) {
     o.max_wr_bytes = p.chunk_size;
     o.queue_depth = 4;
@@ -177,14 +176,15 @@ verbs::VerbsTransport::Options verbs_options(const Params& p) {
 Harness verbs_harness() {
   return {"verbs",
           [](loop::EventLoop& loop, const Params& p) -> std::unique_ptr<Transport> {
-            return std::make_unique<verbs::VerbsTransport>(loop.uv(), defer_on(loop),
-                                                           verbs_options(p));
+            return std::make_unique<verbs::VerbsTransport>(context_on(loop, p), verbs_options(p),
+                                                           &test::simverbs::api());
           },
           [](std::shared_ptr<void>&) -> Endpoint {
             // A transport that listened and closed: its port answers no more.
             loop::EventLoop loop;
             Endpoint e = loop.call([&] {
-              verbs::VerbsTransport t(loop.uv(), defer_on(loop), verbs_options({"dead", 9, 0}));
+              verbs::VerbsTransport t(context_on(loop, {"dead", 9, 0}),
+                                      verbs_options({"dead", 9, 0}), &test::simverbs::api());
               Endpoint out = t.endpoints().at(0);
               t.close();
               return out;

@@ -6,6 +6,8 @@
 
 namespace ferry::transport::cuda {
 
+bool built() noexcept { return true; }
+
 const CudaApi* usable_driver() { return system_cuda(); }
 
 std::string unavailable() {

@@ -1,8 +1,9 @@
 #pragma once
 
-// What the rest of ferry asks about CUDA memory, without <cuda.h>: whether this process can
-// use it at all, whether a range is device memory of a given device, and what the driver and
-// its devices are (for ferry-info). Compiled only with FERRY_WITH_CUDA.
+// What the rest of ferry asks about CUDA memory, without <cuda.h>: whether this build has CUDA,
+// whether this process can use it, whether a range is device memory of a given device, and
+// what the driver and its devices are (for ferry-info). A build without CUDA answers the same
+// questions from absent.cpp.
 
 #include <cstddef>
 #include <optional>
@@ -14,6 +15,10 @@
 namespace ferry::transport::cuda {
 
 struct CudaApi;
+
+/// Whether this ferry was built with CUDA (FERRY_WITH_CUDA): CUDA memory can be moved where a
+/// driver is usable.
+bool built() noexcept;
 
 /// The driver's table (system_cuda()), or null when this process cannot use CUDA memory: for
 /// code that hands the table on without calling it (no <cuda.h> needed). Any thread.

@@ -1,16 +1,96 @@
+// The passive side of verbs. The owner's CPU never touches the bytes: it checks the claim,
+// hands the claimant keys that reach this operation's memory alone, and hears DONE.
+
 #include <algorithm>
 #include <cstring>
 
-#include "transport/verbs/verbs_internal.hpp"
+#include <ferry/rdma_metadata.hpp>
+
+#include "loop/ids.hpp"
+#include "transport/verbs/verbs_transport.hpp"
+#include "transport/wire/status.hpp"
 
 namespace ferry::transport::verbs {
 
-// ---------------------------------------------------------------------------------------
-// The passive side. The owner's CPU never touches the bytes: it checks the claim, hands the
-// claimant keys that reach this operation's memory alone, and hears DONE.
+namespace {
 
-std::string VerbsTransport::expose(const Exposure& exposure, ExposureObserver& observer) {
-  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+using wire::FrameHeader;
+using wire::FrameType;
+
+void* id_ptr(std::uint64_t id) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id)); }
+
+std::string reason_of(std::uint32_t status, const std::string& message) {
+  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
+}
+
+}  // namespace
+
+VerbsServer::VerbsServer(VerbsTransport& t, kit::Defer defer)
+    : t_(t),
+      exposures_("verbs", std::move(defer)),
+      admission_(t.ctx_.loop, t.ctx_.listener, [this](std::uint64_t id, const std::string& why) {
+        // Unclaimed for too long, or making room: the peer's connection goes.
+        if (Conn* conn = t_.conn_of(id)) t_.fail_conn(*conn, ErrorCode::AccessDenied, why);
+      }) {}
+
+void VerbsServer::close() {
+  admission_.stop();
+  std::vector<std::uint64_t> ids;
+  for (auto& [id, s] : served_) ids.push_back(id);
+  for (std::uint64_t id : ids) end_served(id);
+  exposures_.clear();
+}
+
+bool VerbsServer::serving() const {
+  return std::any_of(served_.begin(), served_.end(),
+                     [](const auto& kv) { return kv.second->conn != 0; });
+}
+
+rdma_cm_id* VerbsServer::connect_request(rdma_cm_event& ev) {
+  rdma_cm_id* id = ev.id;
+  CmPrivate priv;
+  if (ev.param.conn.private_data_len < sizeof priv || t_.closed_) {
+    t_.api_.reject(id, nullptr, 0);
+    return id;
+  }
+  std::memcpy(&priv, ev.param.conn.private_data, sizeof priv);
+  // Each accepted request costs a queue pair and registered buffers before the peer proves
+  // anything: within the listener's bounds only.
+  if (priv.magic != kCmMagic || priv.version != 1 || !admission_.admit()) {
+    t_.api_.reject(id, nullptr, 0);
+    return id;
+  }
+  std::shared_ptr<Conn> conn = t_.new_conn(false);
+  conn->cm = id;
+  conn->state = Conn::State::accepting;
+  conn->peer_id = loop::hex16(priv.id);
+  id->context = id_ptr(conn->id);
+  admission_.accepted(conn->id);
+  std::string why = "no device of ours reaches it";
+  Device* dev = t_.devices_->find(id->verbs);
+  if (dev == nullptr || !conn->make_qp(*dev, why)) {
+    t_.api_.reject(id, nullptr, 0);
+    t_.fail_conn(*conn, ErrorCode::Internal, why);
+    return nullptr;
+  }
+  t_.by_qp_[conn->qp_num] = conn->id;
+  CmPrivate mine;
+  mine.id = t_.ctx_.local_id;
+  rdma_conn_param param{};
+  param.private_data = &mine;
+  param.private_data_len = sizeof mine;
+  param.responder_resources =
+      static_cast<std::uint8_t>(std::min(16, std::max(1, dev->attr.max_qp_rd_atom)));
+  param.initiator_depth =
+      static_cast<std::uint8_t>(std::min(16, std::max(1, dev->attr.max_qp_init_rd_atom)));
+  param.retry_count = 7;
+  param.rnr_retry_count = 7;
+  if (t_.api_.accept(id, &param) != 0)
+    t_.fail_conn(*conn, ErrorCode::PeerLost, std::string("rdma_accept: ") + std::strerror(errno));
+  return nullptr;
+}
+
+void VerbsServer::expose(const Exposure& exposure, ExposureObserver& observer) {
   exposures_.add(exposure, observer);
   auto served = std::make_unique<Served>();
   served->spans = exposures_.find(exposure.id)->spans;
@@ -19,23 +99,23 @@ std::string VerbsTransport::expose(const Exposure& exposure, ExposureObserver& o
       // A span of CUDA memory may join touching allocations: a registration for each.
       const auto end = reinterpret_cast<std::uint64_t>(span.ptr) + span.size;
       for (std::uint64_t at = reinterpret_cast<std::uint64_t>(span.ptr); at < end;) {
-        auto reg = acquire(
+        auto reg = t_.acquire(
             Region{reinterpret_cast<std::byte*>(at), end - at, span.kind, span.cuda_device});
         served->regs.push_back(reg);
         if (const auto* set = static_cast<const MrSet*>(reg->handle.get());
             set != nullptr && set->staged)
           // The owner of one-sided RDMA cannot stage: another method serves this memory.
-          throw Error(ErrorCode::Unsupported, cuda_unreachable(*set));
+          throw Error(ErrorCode::Unsupported, t_.devices_->gpudirect().unreachable(*set));
         if (reg->base + reg->size <= at)
           throw Error(ErrorCode::Internal, "verbs: a registration short of its range");
         at = reg->base + reg->size;
       }
-      if (!uses_memory_windows()) {
+      if (!t_.devices_->uses_memory_windows()) {
         // No windows: a registration of this operation's own, whose keys die with it.
         const int access = exposure.access == Access::read
                                ? IBV_ACCESS_REMOTE_READ
                                : IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
-        served->own.push_back(register_everywhere(span, access));
+        served->own.push_back(t_.devices_->register_everywhere(span, access));
       }
     }
   } catch (...) {
@@ -43,78 +123,94 @@ std::string VerbsTransport::expose(const Exposure& exposure, ExposureObserver& o
     throw;
   }
   served_[exposure.id] = std::move(served);
-  return {};
 }
 
-void VerbsTransport::revoke(std::uint64_t id, const Error& reason) {
+void VerbsServer::revoke(std::uint64_t id, const Error& reason) {
   const std::uint64_t conn_id = exposures_.revoke(id);
   end_served(id);
-  Conn* conn = conn_id == 0 ? nullptr : conn_of(conn_id);
+  Conn* conn = conn_id == 0 ? nullptr : t_.conn_of(conn_id);
   if (conn != nullptr && conn->state == Conn::State::up) {
     // The claimant learns why (its next request would meet a dead key in any case).
-    tcp::FrameHeader h;
-    h.type = tcp::FrameType::status;
+    FrameHeader h;
+    h.type = FrameType::status;
     h.op_id = id;
-    h.status = static_cast<std::uint32_t>(reason.code());
-    send_ctl(*conn, h, reason.message());
+    h.status = wire::to_wire(reason.code());
+    conn->send_ctl(h, reason.message());
   }
 }
 
-void VerbsTransport::end_served(std::uint64_t id) {
+void VerbsServer::end_served(std::uint64_t id) {
   auto it = served_.find(id);
   if (it == served_.end()) return;
   std::unique_ptr<Served> s = std::move(it->second);
   served_.erase(it);
-  if (Conn* conn = s->conn == 0 ? nullptr : conn_of(s->conn)) {
+  if (Conn* conn = s->conn == 0 ? nullptr : t_.conn_of(s->conn)) {
     std::erase_if(conn->outbox, [&](const CtlItem& item) {
       return item.mw != nullptr && std::find(s->mws.begin(), s->mws.end(), item.mw) != s->mws.end();
     });
   }
   // revoke()'s promise: deallocating a window (deregistering a region) returns only when no
   // access through it is under way, and none starts after.
-  for (ibv_mw* mw : s->mws) api_.dealloc_mw(mw);
+  for (ibv_mw* mw : s->mws) t_.api_.dealloc_mw(mw);
   s->mws.clear();
   s->own.clear();
 }
 
-void VerbsTransport::finish_exposure(std::uint64_t id, std::optional<Error> peer_error) {
+void VerbsServer::finish_exposure(std::uint64_t id, std::optional<Error> peer_error) {
   exposures_.finish(id, std::move(peer_error));
   end_served(id);
 }
 
-void VerbsTransport::reply_status(Conn& conn, std::uint64_t req, ErrorCode code,
-                                  const std::string& msg) {
-  tcp::FrameHeader h;
-  h.type = tcp::FrameType::status;
-  h.req_id = req;
-  h.status = static_cast<std::uint32_t>(code);
-  send_ctl(conn, h, msg);
+void VerbsServer::lose(Conn& conn, const Error& error) {
+  admission_.closed(conn.id);
+  refused_.erase(conn.id);
+  std::vector<std::uint64_t> ended;
+  for (auto& [id, s] : served_)
+    if (s->conn == conn.id) ended.push_back(id);
+  for (std::uint64_t id : ended) end_served(id);
+  exposures_.lose_connection(conn.id, error);
 }
 
-void VerbsTransport::serve_claim(Conn& conn, const tcp::FrameHeader& h,
-                                 const std::string& payload) {
-  Exposures::Ranges ranges;
-  auto v = exposures_.check_claim(h.op_id, h.token, h.flags, payload.data(), payload.size(),
-                                  conn.id, ranges);
-  if (!v.ok()) {
-    reply_status(conn, h.req_id, v.code, v.message);
+void VerbsServer::reply(Conn& conn, std::uint64_t req, const Error* error) {
+  FrameHeader h;
+  h.type = FrameType::status;
+  h.req_id = req;
+  if (error == nullptr) {
+    conn.send_ctl(h);
     return;
   }
-  Exposures::Entry* entry = v.entry;
-  const auto access = static_cast<Access>(h.flags);
-  auto sit = served_.find(h.op_id);
-  if (sit == served_.end() || sit->second->conn != 0) {
-    reply_status(conn, h.req_id, ErrorCode::AccessDenied, "the operation is claimed already");
-    return;
+  h.status = wire::to_wire(error->code());
+  conn.send_ctl(h, error->message());
+}
+
+wire::Sink VerbsServer::receive_claim(Conn& conn, const FrameHeader& h) {
+  // Nothing is sized by what a peer says before it shows a live token of the right kind: a
+  // refused claim's ranges are read and dropped.
+  refused_.erase(conn.id);
+  const bool kind_ok = h.flags == static_cast<std::uint16_t>(Access::read) ||
+                       h.flags == static_cast<std::uint16_t>(Access::write);
+  auto v = exposures_.check(h.op_id, h.token, static_cast<Access>(h.flags), 0, 0, conn.id);
+  if (!kind_ok || !v.ok()) {
+    refused_[conn.id] = kind_ok ? Error(v.code, v.message)
+                                : Error(ErrorCode::ProtocolError, "CLAIM names no access kind");
+    return {};
   }
-  Served& served = *sit->second;
+  const std::uint64_t most =
+      16 * (2 * std::uint64_t{RdmaMetadata::kMaxDescriptors} + v.entry->exposure.regions.size());
+  if (h.len == 0 || h.len % 16 != 0 || h.len > most)
+    return wire::fatal("CLAIM of " + std::to_string(h.len) + " bytes of ranges");
+  conn.payload.assign(h.len, '\0');
+  wire::Sink sink;
+  sink.dest = reinterpret_cast<std::byte*>(conn.payload.data());
+  return sink;
+}
+
+std::string VerbsServer::windows_for(Conn& conn, Served& served, Access access,
+                                     std::vector<Window>& out, std::vector<CtlItem>& binds) {
   // The keys: a window per registered piece of each span, bound to this connection's queue
   // pair alone, or the pieces of the operation's own registration.
-  const bool windows = uses_memory_windows();
-  std::vector<Window> out;
-  std::vector<CtlItem> binds;
-  std::string failure;
-  for (std::size_t i = 0; i < served.spans.size() && failure.empty(); ++i) {
+  const bool windows = t_.devices_->uses_memory_windows();
+  for (std::size_t i = 0; i < served.spans.size(); ++i) {
     const Region& span = served.spans[i];
     const auto base = reinterpret_cast<std::uint64_t>(span.ptr);
     for (std::uint64_t addr = base; addr < base + span.size;) {
@@ -124,18 +220,12 @@ void VerbsTransport::serve_claim(Conn& conn, const tcp::FrameHeader& h,
           set = static_cast<const MrSet*>(served.regs[r]->handle.get());
       std::uint64_t room = 0;
       ibv_mr* mr = set == nullptr ? nullptr : set->find(conn.dev->ctx, addr, room);
-      if (mr == nullptr) {
-        failure = "the operation's memory is not registered on " + conn.dev->name;
-        break;
-      }
+      if (mr == nullptr) return "the operation's memory is not registered on " + conn.dev->name;
       const std::uint64_t n = std::min(room, base + span.size - addr);
       Window w{addr, n, mr->rkey};
       if (windows) {
-        ibv_mw* mw = api_.alloc_mw(conn.dev->pd->pd, IBV_MW_TYPE_2);
-        if (mw == nullptr) {
-          failure = "cannot allocate a memory window on " + conn.dev->name;
-          break;
-        }
+        ibv_mw* mw = t_.api_.alloc_mw(conn.dev->pd->pd, IBV_MW_TYPE_2);
+        if (mw == nullptr) return "cannot allocate a memory window on " + conn.dev->name;
         served.mws.push_back(mw);
         CtlItem bind;
         bind.mw = mw;
@@ -152,62 +242,92 @@ void VerbsTransport::serve_claim(Conn& conn, const tcp::FrameHeader& h,
       addr += n;
     }
   }
-  if (!failure.empty()) {
-    for (ibv_mw* mw : served.mws) api_.dealloc_mw(mw);
-    served.mws.clear();
-    reply_status(conn, h.req_id, ErrorCode::Internal, failure);
+  return {};
+}
+
+void VerbsServer::serve_claim(Conn& conn, const FrameHeader& h, const std::string& payload) {
+  if (auto r = refused_.find(conn.id); r != refused_.end()) {
+    const Error refused = *r->second;
+    refused_.erase(r);
+    reply(conn, h.req_id, &refused);
     return;
   }
-  auto secret = exposures_.claim(*entry, conn.id, conn.peer_name, conn.describe(), conn.peer_id);
+  kit::Exposures::Ranges ranges;
+  auto v = exposures_.check_claim(h.op_id, h.token, h.flags, payload.data(), payload.size(),
+                                  conn.id, ranges);
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  auto sit = served_.find(h.op_id);
+  if (sit == served_.end() || sit->second->conn != 0) {
+    const Error refused(ErrorCode::AccessDenied, "the operation is claimed already");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  Served& served = *sit->second;
+  std::vector<Window> out;
+  std::vector<CtlItem> binds;
+  const std::string failure = windows_for(conn, served, static_cast<Access>(h.flags), out, binds);
+  auto secret = failure.empty() ? exposures_.claim(*v.entry, conn.id, conn.peer_name,
+                                                   conn.describe(), conn.peer_id)
+                                : std::nullopt;
   if (!secret) {
-    for (ibv_mw* mw : served.mws) api_.dealloc_mw(mw);
+    for (ibv_mw* mw : served.mws) t_.api_.dealloc_mw(mw);
     served.mws.clear();
-    reply_status(conn, h.req_id, ErrorCode::AccessDenied, "the operation is claimed already");
+    const Error refused = failure.empty()
+                              ? Error(ErrorCode::AccessDenied, "the operation is claimed already")
+                              : Error(ErrorCode::Internal, failure);
+    reply(conn, h.req_id, &refused);
     return;
   }
+  admission_.claimed(conn.id);
   served.conn = conn.id;
   served.ranges = std::move(ranges);
-  counters_.windows_bound += binds.size();
+  t_.counters_.windows_bound += binds.size();
   // The binds go first on the same send queue: the peer has the keys only after they hold.
-  for (CtlItem& b : binds) conn.outbox.push_back(std::move(b));
+  for (CtlItem& b : binds) conn.bind(std::move(b));
   std::string body(out.size() * 24, '\0');
   for (std::size_t i = 0; i < out.size(); ++i) {
     std::memcpy(body.data() + i * 24, &out[i].addr, 8);
     std::memcpy(body.data() + i * 24 + 8, &out[i].len, 8);
     std::memcpy(body.data() + i * 24 + 16, &out[i].rkey, 4);
   }
-  tcp::FrameHeader reply;
-  reply.type = tcp::FrameType::claimed;
-  reply.req_id = h.req_id;
-  reply.op_id = h.op_id;
-  reply.token = *secret;
-  reply.len = body.size();
-  send_ctl(conn, reply, {}, body);
+  FrameHeader answer;
+  answer.type = FrameType::claimed;
+  answer.req_id = h.req_id;
+  answer.op_id = h.op_id;
+  answer.token = *secret;
+  conn.send_ctl(answer, {}, body);
 }
 
-void VerbsTransport::serve_done(Conn& conn, const tcp::FrameHeader& h, const std::string& message) {
+void VerbsServer::serve_done(Conn& conn, const FrameHeader& h, const std::string& message) {
   if (h.flags != static_cast<std::uint16_t>(Access::read) &&
       h.flags != static_cast<std::uint16_t>(Access::write)) {
-    reply_status(conn, h.req_id, ErrorCode::ProtocolError, "DONE names no access kind");
+    const Error refused(ErrorCode::ProtocolError, "DONE names no access kind");
+    reply(conn, h.req_id, &refused);
     return;
   }
   const auto access = static_cast<Access>(h.flags);
   auto v = exposures_.check(h.op_id, h.token, access, 0, 0, conn.id);
   if (!v.ok()) {
-    reply_status(conn, h.req_id, v.code, v.message);
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
     return;
   }
   if (h.status != 0) {
-    reply_status(conn, h.req_id, ErrorCode::Cancelled, "noted");
-    const ErrorCode code = tcp::code_from_wire(h.status);
-    finish_exposure(h.op_id,
-                    Error(code, "peer " + conn.describe() + " ended the transfer: " +
-                                    (message.empty() ? std::string(to_string(code)) : message)));
+    const Error noted(ErrorCode::Cancelled, "noted");
+    reply(conn, h.req_id, &noted);
+    finish_exposure(h.op_id, Error(wire::from_wire(h.status),
+                                   "peer " + conn.describe() +
+                                       " ended the transfer: " + reason_of(h.status, message)));
     return;
   }
   auto sit = served_.find(h.op_id);
   if (sit == served_.end() || sit->second->conn != conn.id) {
-    reply_status(conn, h.req_id, ErrorCode::ProtocolError, "DONE for an operation never claimed");
+    const Error refused(ErrorCode::ProtocolError, "DONE for an operation never claimed");
+    reply(conn, h.req_id, &refused);
     return;
   }
   if (access == Access::write) {
@@ -215,13 +335,14 @@ void VerbsTransport::serve_done(Conn& conn, const tcp::FrameHeader& h, const std
     // is complete only when its claimed ranges cover every byte it exposes.
     for (const auto& [addr, len] : sit->second->ranges) exposures_.landed(h.op_id, addr, len);
     if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {
-      std::string why = "peer " + conn.describe() + " said it was done " + short_of;
-      reply_status(conn, h.req_id, ErrorCode::ProtocolError, why);
-      finish_exposure(h.op_id, Error(ErrorCode::ProtocolError, why));
+      const Error why(ErrorCode::ProtocolError,
+                      "peer " + conn.describe() + " said it was done " + short_of);
+      reply(conn, h.req_id, &why);
+      finish_exposure(h.op_id, why);
       return;
     }
   }
-  reply_status(conn, h.req_id, static_cast<ErrorCode>(0), {});
+  reply(conn, h.req_id, nullptr);
   finish_exposure(h.op_id, std::nullopt);
 }
 

@@ -30,14 +30,21 @@ struct TcpOptions {
   /// Largest request the listener serves: a larger read is refused (AccessDenied); a larger
   /// write ends the connection (ProtocolError), since its payload cannot be skipped safely.
   std::size_t max_request = 16u << 20;
-  /// Most connections the listener keeps open at once; also kept below the process's
+};
+
+/// Bounds on the peers every method's listener accepts (tcp's and cma's sockets, cuda_ipc's,
+/// verbs' connect requests) before they prove anything: a peer counts as unclaimed until it
+/// presents a live operation's token.
+struct ListenerOptions {
+  /// Most connections a listener keeps open at once; also kept below the process's
   /// descriptor limit (RLIMIT_NOFILE), less a reserve for everything else.
   std::size_t max_connections = 4096;
-  /// Most accepted connections that have not yet claimed an operation (after HELLO, or
-  /// before); past it the oldest such connection is closed to make room.
+  /// Most accepted connections that have not yet claimed an operation; past it, one of them
+  /// is closed to make room: first the oldest that has sent nothing, then the oldest that only
+  /// said HELLO. A connection that claimed an operation is never closed for room.
   std::size_t max_unclaimed = 256;
-  /// How long an accepted connection may stay open without claiming an operation, and
-  /// without an operation of its own under way, before it is closed.
+  /// How long an accepted connection may stay open without claiming an operation before it
+  /// is closed.
   std::chrono::milliseconds unclaimed_timeout{10000};
 };
 
@@ -86,8 +93,8 @@ struct VerbsOptions {
 enum class SideChannelEvent { disconnected, reconnected, closed, error };
 
 /// The NATS side channel's settings. Every string left empty is read from the environment
-/// variable named beside it (unless this struct's use_environment is false). With no server at all, the
-/// connector has no side channel: explicit metadata still works, subjects do not.
+/// variable named beside it (unless this struct's use_environment is false). With no server at all,
+/// the connector has no side channel: explicit metadata still works, subjects do not.
 struct NatsOptions {
   /// Server URLs, e.g. "nats://10.0.0.5:4222"; several for a cluster. FERRY_NATS_URL
   /// (comma-separated).
@@ -147,6 +154,7 @@ struct ConnectorOptions {
   bool use_environment = true;
   /// Where diagnostics go: stderr, warnings and errors, by default (see LogOptions).
   LogOptions log;
+  ListenerOptions listener;
   TcpOptions tcp;
   CmaOptions cma;
   VerbsOptions verbs;

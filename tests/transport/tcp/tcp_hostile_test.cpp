@@ -26,16 +26,16 @@
 #include "tests/support/patterns.hpp"
 #include "tests/support/raw_peer.hpp"
 #include "tests/support/util.hpp"
-#include "transport/exposure_table.hpp"
-#include "transport/tcp/frame.hpp"
+#include "transport/kit/exposure_table.hpp"
+#include "transport/wire/frame.hpp"
 
 namespace ferry {
 namespace {
 
 using namespace test;
 using transport::Token;
-using transport::tcp::FrameHeader;
-using transport::tcp::FrameType;
+using transport::wire::FrameHeader;
+using transport::wire::FrameType;
 
 constexpr auto kWait = std::chrono::seconds(30);
 constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
@@ -130,9 +130,9 @@ class TcpHostileTest : public ::testing::Test {
 // max_unclaimed the oldest make room, and each is closed after unclaimed_timeout.
 TEST(TcpSlots, SilentConnectionsCannotLockOutRealPeers) {
   ConnectorOptions o = test::named("owner");
-  o.tcp.max_connections = 64;
-  o.tcp.max_unclaimed = 8;
-  o.tcp.unclaimed_timeout = std::chrono::milliseconds(30000);
+  o.listener.max_connections = 64;
+  o.listener.max_unclaimed = 8;
+  o.listener.unclaimed_timeout = std::chrono::milliseconds(30000);
   Connector owner(o);
   auto memory = patterned(4096, 3);
   auto readable = owner.create_readable({Descriptor(memory.data(), memory.size())});
@@ -156,7 +156,7 @@ TEST(TcpSlots, SilentConnectionsCannotLockOutRealPeers) {
 
 TEST(TcpSlots, AConnectionThatClaimsNothingIsClosedAfterTheTimeout) {
   ConnectorOptions o = test::named("owner");
-  o.tcp.unclaimed_timeout = std::chrono::milliseconds(300);
+  o.listener.unclaimed_timeout = std::chrono::milliseconds(300);
   Connector owner(o);
   auto memory = patterned(64, 3);
   auto readable = owner.create_readable({Descriptor(memory.data(), memory.size())});
@@ -288,7 +288,7 @@ TEST_F(TcpHostileTest, ClaimedOperationIsDeniedToASecondConnection) {
       << second.error();
   // Nor may the second connection end the operation on the claimant's behalf.
   ASSERT_TRUE(second.send_frame(
-      done_frame(t, 2, transport::Access::read, wire(ErrorCode::Cancelled)), "go away"))
+      done_frame(t, 2, transport::Access::read, wire_status(ErrorCode::Cancelled)), "go away"))
       << second.error();
   EXPECT_TRUE(is_status(second.read_frame(), 2, ErrorCode::AccessDenied,
                         "claimed by another peer (raw-claimant)"))
@@ -309,7 +309,7 @@ TEST_F(TcpHostileTest, DoneWithAWrongTokenDoesNotEndTheOperation) {
   const Target t = target_of(readable.metadata());
   RawClient client(t.address);
   ASSERT_TRUE(greeted(client));
-  FrameHeader done = done_frame(t, 1, transport::Access::read, wire(ErrorCode::Cancelled));
+  FrameHeader done = done_frame(t, 1, transport::Access::read, wire_status(ErrorCode::Cancelled));
   done.token = flipped(t.token);
   ASSERT_TRUE(client.send_frame(done, "forged")) << client.error();
   EXPECT_TRUE(is_status(client.read_frame(), 1, ErrorCode::AccessDenied,
@@ -541,7 +541,7 @@ TEST_F(TcpHostileTest, GarbageBytesGetAProtocolErrorNoticeAndAreClosed) {
   const Target t = target_of(writable.metadata());
   RawClient client(t.address);
   ASSERT_TRUE(greeted(client));
-  std::vector<std::byte> garbage(transport::tcp::kHeaderSize, std::byte{0xab});
+  std::vector<std::byte> garbage(transport::wire::kHeaderSize, std::byte{0xab});
   ASSERT_TRUE(client.send_bytes(garbage.data(), garbage.size())) << client.error();
   EXPECT_TRUE(is_status(client.read_frame(), 0, ErrorCode::ProtocolError, "bad magic"))
       << client.error();
@@ -576,9 +576,9 @@ TEST_F(TcpHostileTest, UnknownVersionTypeOrOverlongTextCloseTheConnection) {
     // msg_len is announced but the text never sent: the header alone must close it.
     RawClient client(t.address);
     ASSERT_TRUE(greeted(client));
-    FrameHeader h = done_frame(t, 1, transport::Access::read, wire(ErrorCode::Cancelled));
-    h.msg_len = transport::tcp::kMaxMessage + 1;
-    const auto bytes = transport::tcp::encode(h);
+    FrameHeader h = done_frame(t, 1, transport::Access::read, wire_status(ErrorCode::Cancelled));
+    h.msg_len = transport::wire::kMaxMessage + 1;
+    const auto bytes = transport::wire::encode(h);
     ASSERT_TRUE(client.send_bytes(bytes.data(), bytes.size())) << client.error();
     EXPECT_TRUE(is_status(client.read_frame(), 0, ErrorCode::ProtocolError, "message of 4097"))
         << client.error();
@@ -645,7 +645,7 @@ TEST_F(TcpHostileTest, TruncatedHeaderThenCloseIsHarmless) {
   {
     RawClient client(t.address);
     ASSERT_TRUE(greeted(client));
-    const auto bytes = transport::tcp::encode(request(FrameType::read, t, 1, t.base, kSize));
+    const auto bytes = transport::wire::encode(request(FrameType::read, t, 1, t.base, kSize));
     ASSERT_TRUE(client.send_bytes(bytes.data(), bytes.size() / 2)) << client.error();
   }  // closes the socket halfway through the header
   EXPECT_TRUE(memory_unchanged());
@@ -684,7 +684,7 @@ TEST_F(TcpHostileTest, ProtocolErrorOnOneConnectionLeavesOthersAlone) {
 
   RawClient bad(t.address);
   ASSERT_TRUE(greeted(bad));
-  std::vector<std::byte> garbage(transport::tcp::kHeaderSize, std::byte{0xcd});
+  std::vector<std::byte> garbage(transport::wire::kHeaderSize, std::byte{0xcd});
   ASSERT_TRUE(bad.send_bytes(garbage.data(), garbage.size())) << bad.error();
   EXPECT_TRUE(is_status(bad.read_frame(), 0, ErrorCode::ProtocolError, "bad magic")) << bad.error();
   EXPECT_TRUE(bad.closed_by_peer()) << bad.error();
@@ -716,7 +716,7 @@ TEST(TcpHostileEnd, ReadsQueuedBeforeAFailingDoneNeverTouchTheMemoryAfter) {
     ASSERT_TRUE(
         client.send_frame(request(FrameType::read, t, i + 1, t.base + i * (2u << 20), 2u << 20)));
   ASSERT_TRUE(client.send_frame(
-      done_frame(t, 9, transport::Access::read, wire(ErrorCode::Cancelled)), "gave up"));
+      done_frame(t, 9, transport::Access::read, wire_status(ErrorCode::Cancelled)), "gave up"));
   auto e = wait_for_failure(readable);
   ASSERT_TRUE(e);
   EXPECT_EQ(e->code(), ErrorCode::Cancelled);
@@ -777,7 +777,8 @@ TEST_F(TcpHostileTest, PeerTextThatIsNotUtf8IsSanitizedAndTheOperationEnds) {
   ASSERT_TRUE(client.send_frame(request(FrameType::write, t, 1, t.base, some.size()), {}, some));
   EXPECT_TRUE(is_ok(client.read_frame(), 1));
   ASSERT_TRUE(client.send_frame(
-      done_frame(t, 2, transport::Access::write, wire(ErrorCode::Cancelled)), "why\xc0\xaf"));
+      done_frame(t, 2, transport::Access::write, wire_status(ErrorCode::Cancelled)),
+      "why\xc0\xaf"));
   auto e = wait_for_failure(writable);
   ASSERT_TRUE(e);
   EXPECT_EQ(e->code(), ErrorCode::Cancelled);
@@ -805,7 +806,7 @@ TEST_F(TcpHostileTest, AClientThatNeverReadsCannotGrowTheServerWithoutBound) {
   std::uint64_t sent = 0;
   std::vector<std::byte> batch;
   for (int i = 0; i < 1024; ++i) {
-    auto bytes = transport::tcp::encode(request(FrameType::read, t, 1, t.base, 64));
+    auto bytes = transport::wire::encode(request(FrameType::read, t, 1, t.base, 64));
     batch.insert(batch.end(), bytes.begin(), bytes.end());
   }
   while (sent < kFrames && client.send_bytes(batch.data(), batch.size())) sent += 1024;

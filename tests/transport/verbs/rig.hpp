@@ -15,7 +15,7 @@
 #include <string>
 
 #include "loop/event_loop.hpp"
-#include "transport/exposure_table.hpp"
+#include "transport/kit/exposure_table.hpp"
 #include "transport/verbs/verbs_transport.hpp"
 
 namespace ferry::transport::verbs::rig {
@@ -27,18 +27,17 @@ struct Side {
   loop::EventLoop loop;
   std::unique_ptr<VerbsTransport> transport;
   Side(std::string name, const VerbsApi* api, std::string address = "127.0.0.1",
-       std::function<void(VerbsTransport::Options&)> tune = {}) {
-    VerbsTransport::Options o;
-    o.api = api;
-    o.bind_address = std::move(address);
-    o.local_name = std::move(name);
-    o.local_id = 0x1234;
-    o.peer_timeout = 3s;
+       std::function<void(VerbsOptions&)> tune = {}) {
+    Context c;
+    c.loop = loop.uv();
+    c.defer = [this](std::function<void()> f) { loop.defer(std::move(f)); };
+    c.bind_address = std::move(address);
+    c.local_name = std::move(name);
+    c.local_id = 0x1234;
+    c.peer_timeout = 3s;
+    VerbsOptions o;
     if (tune) tune(o);
-    transport = loop.call([&] {
-      return std::make_unique<VerbsTransport>(
-          loop.uv(), [this](std::function<void()> f) { loop.defer(std::move(f)); }, o);
-    });
+    transport = loop.call([&] { return std::make_unique<VerbsTransport>(c, o, api); });
   }
   ~Side() {
     loop.close([this] { transport.reset(); });
@@ -47,7 +46,7 @@ struct Side {
   auto call(F&& f) {
     return loop.call(std::forward<F>(f));
   }
-  VerbsTransport::Counters counters() {
+  Counters counters() {
     return call([&] { return transport->counters(); });
   }
 };

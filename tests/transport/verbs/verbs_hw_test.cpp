@@ -27,8 +27,10 @@ using namespace rig;
 
 /// The address to listen on, or why these tests cannot run here.
 std::string device_address(std::string& why) {
-  why = VerbsTransport::unavailable(nullptr);
-  if (!why.empty()) return {};
+  if (auto e = VerbsTransport::unavailable(nullptr)) {
+    why = e->message();
+    return {};
+  }
   const char* addr = std::getenv("FERRY_RDMA_ADDR");
   if (addr == nullptr || *addr == '\0') {
     why = "set FERRY_RDMA_ADDR to an address of an RDMA device to run these";

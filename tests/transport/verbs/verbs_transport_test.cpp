@@ -20,7 +20,7 @@
 #include "tests/support/patterns.hpp"
 #include "tests/support/simverbs/simverbs.hpp"
 #include "tests/transport/verbs/rig.hpp"
-#include "transport/exposure_table.hpp"
+#include "transport/kit/exposure_table.hpp"
 #include "transport/verbs/verbs_transport.hpp"
 
 namespace ferry::transport::verbs {
@@ -143,7 +143,7 @@ class Keys : public Fabric, public ::testing::WithParamInterface<bool> {};
 
 TEST_P(Keys, WorkWhileTheOperationLivesAndFailAfterItEnds) {
   const bool windows = GetParam();
-  auto tune = [windows](VerbsTransport::Options& o) { o.memory_windows = windows; };
+  auto tune = [windows](VerbsOptions& o) { o.memory_windows = windows; };
   Spied<1>::spy().qps.clear();
   Spied<2>::spy().accesses.clear();
   Side owner("owner", Spied<1>::api(), "127.0.0.1", tune);
@@ -267,7 +267,7 @@ TEST_F(Fabric, APortDownErrorsExactlyTheTransfersThroughItAndTheNextOneReconnect
 
 TEST_F(Fabric, LateEventsAreCoalescedIntoFewWakeups) {
   Side owner("owner", &sim::api());
-  Side active("active", &sim::api(), "127.0.0.1", [](VerbsTransport::Options& o) {
+  Side active("active", &sim::api(), "127.0.0.1", [](VerbsOptions& o) {
     o.max_wr_bytes = 16 << 10;
     o.signal_every = 1;  // a completion per work request
   });

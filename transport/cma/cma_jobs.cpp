@@ -1,0 +1,184 @@
+// cma's copies: jobs of up to chunk_size bytes on libuv's pool, each under the owner's grant;
+// small transfers copy on the loop at once.
+
+#include <cerrno>
+#include <climits>
+
+#include "transport/cma/cma_transport.hpp"
+#include "transport/same_host/system.hpp"
+
+namespace ferry::transport::cma {
+
+namespace {
+
+constexpr std::size_t kIovMax = IOV_MAX;
+
+Error copy_error(int err, const TransferSpec& spec, std::int64_t pid) {
+  const std::string who = "peer '" + spec.peer_name + "' (pid " + std::to_string(pid) + ")";
+  const char* call = spec.access == Access::read ? "process_vm_readv" : "process_vm_writev";
+  switch (err) {
+    case ESRCH:
+      return Error(ErrorCode::PeerLost, who + " exited during the transfer");
+    case EFAULT:
+      return Error(ErrorCode::AccessDenied,
+                   std::string(call) + " toward " + who + ": " + same_host::errno_text(err) +
+                       ": a range of the operation is not mapped (freed while exposed?)");
+    case EPERM:
+      return Error(ErrorCode::AccessDenied, std::string(call) + " toward " + who +
+                                                " refused: " + same_host::errno_text(err));
+    default:
+      return Error(ErrorCode::Internal,
+                   std::string(call) + " toward " + who + ": " + same_host::errno_text(err));
+  }
+}
+
+}  // namespace
+
+void Job::run() noexcept {
+  {
+    std::lock_guard lock(state->mu);
+    if (state->stop) {
+      skipped = true;
+      return;
+    }
+    ++state->copying;
+  }
+  // The owner's grant first: while we hold it, the owner's cancel() waits for this copy; once
+  // it has ended the grant, no copy starts.
+  if (!owner->grants->acquire(grant)) {
+    refused = true;
+  } else {
+    if (same_host::process_exited(owner->pidfd))
+      err = ESRCH;  // its pid may be another process's by now
+    else
+      err = same_host::copy(owner->pid, access, local.data(), remote.data(), local.size(), moved);
+    owner->grants->release(grant);
+  }
+  {
+    std::lock_guard lock(state->mu);
+    --state->copying;
+  }
+  state->cv.notify_all();
+}
+
+void CmaTransport::pump(CmaTransfer& t) {
+  if (t.finished() || !t.claimed || t.ended_by_owner) return;
+  // CUDA memory on this side: through staging chunks (cma_staging.cpp), never inline.
+  if (t.staged) {
+    pump_staged(t);
+    return;
+  }
+  if (t.total <= options_.inline_max && t.jobs == 0 && t.seg == 0 && t.seg_off == 0) {
+    copy_inline(t);
+    return;
+  }
+  while (!t.finished() && t.jobs < options_.parallel && t.seg < t.spec.segments.size())
+    queue_job(t, /*host_only=*/false);
+}
+
+std::unique_ptr<Job> CmaTransport::new_job(CmaTransfer& t) {
+  auto job = std::make_unique<Job>();
+  job->life = life_.watch();
+  job->transport = this;
+  job->transfer = t.id();
+  job->state = t.copy;
+  job->owner = t.link->owner();
+  job->grant = t.grant;
+  job->access = t.spec.access;
+  return job;
+}
+
+void CmaTransport::queue_job(CmaTransfer& t, bool host_only) {
+  std::unique_ptr<Job> job = new_job(t);
+  const std::vector<Segment>& segs = t.spec.segments;
+  while (job->bytes < options_.chunk_size && job->local.size() < kIovMax && t.seg < segs.size() &&
+         (!host_only || segs[t.seg].cuda_device < 0)) {
+    const Segment& s = segs[t.seg];
+    const std::uint64_t len =
+        std::min<std::uint64_t>(options_.chunk_size - job->bytes, s.len - t.seg_off);
+    job->local.push_back({s.local + t.seg_off, len});
+    job->remote.push_back({reinterpret_cast<void*>(s.remote_addr + t.seg_off), len});
+    job->bytes += len;
+    t.seg_off += len;
+    if (t.seg_off == s.len) {
+      ++t.seg;
+      t.seg_off = 0;
+    }
+  }
+  queue(std::move(job), t);
+}
+
+void CmaTransport::queue(std::unique_ptr<Job> job, CmaTransfer& t) {
+  job->req.data = job.get();
+  ++t.jobs;
+  uv_queue_work(
+      ctx_.loop, &job->req, [](uv_work_t* req) { static_cast<Job*>(req->data)->run(); },
+      &CmaTransport::after_job);
+  (void)job.release();  // after_job owns it
+}
+
+void CmaTransport::copy_inline(CmaTransfer& t) {
+  // Small transfers cost less on the loop than a trip through the pool.
+  std::unique_ptr<Job> job = new_job(t);
+  for (const Segment& s : t.spec.segments) {
+    job->local.push_back({s.local, s.len});
+    job->remote.push_back({reinterpret_cast<void*>(s.remote_addr), s.len});
+    job->bytes += s.len;
+  }
+  t.seg = t.spec.segments.size();
+  ++t.jobs;
+  job->run();
+  job_done(*job);
+}
+
+void CmaTransport::after_job(uv_work_t* req, int) {
+  std::unique_ptr<Job> job(static_cast<Job*>(req->data));
+  if (!job->life.alive()) return;  // the transport is closed
+  auto* self = static_cast<CmaTransport*>(job->transport);
+  loop::guarded(self->ctx_.log, "a cma copy", [&] { self->job_done(*job); });
+}
+
+void CmaTransport::job_done(Job& job) {
+  CmaTransfer* found = transfers_.find(job.transfer);
+  if (found == nullptr) return;
+  CmaTransfer& t = *found;
+  --t.jobs;
+  if (t.finished() || job.skipped) return;
+  if (job.unit == 0) t.done += job.moved;  // a staged unit counts once its bytes are in place
+  if (job.refused) {
+    // The owner ended the operation. Its notice, which says why, is on its way (revoke()
+    // sends it): wait for it, or for the connection to fail, no longer than the watchdog.
+    // (A transfer whose connection closed was finished then: the link is here.)
+    t.link->await_notice(t);
+    return;
+  }
+  if (job.err != 0) {
+    // After the claim no other method can take over (the owner serves a claimed operation by
+    // its claim's method alone): the transfer fails as itself, and the owner hears why. A
+    // refusal (EPERM, which the probe on the loop thread did not meet: a seccomp filter on
+    // the pool's threads, say) is kept on the link, so that the next transfer toward this
+    // owner fails at set-up and falls back.
+    const Error error = copy_error(job.err, t.spec, job.owner->pid);
+    if (job.err == EPERM) t.link->refused = error.message();
+    failed(t, error);
+    return;
+  }
+  if (job.unit != 0) {
+    unit_moved(t, job.unit);
+    return;
+  }
+  if (t.done == t.total && t.jobs == 0) {
+    all_copied(t);
+    return;
+  }
+  pump(t);
+}
+
+void CmaTransport::all_copied(CmaTransfer& t) {
+  // Every byte is in place. A read is complete, and the owner learns it may let go; a write
+  // completes when the owner has acknowledged DONE: both sides then agree.
+  t.link->send_done(t.id(), t, nullptr);
+  if (t.spec.access == Access::read) transfers_.finish(t, std::nullopt);
+}
+
+}  // namespace ferry::transport::cma

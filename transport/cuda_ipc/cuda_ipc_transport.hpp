@@ -1,0 +1,111 @@
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ferry/options.hpp>
+
+#include "transport/context.hpp"
+#include "transport/cuda_ipc/ipc_handles.hpp"
+#include "transport/kit/link_pool.hpp"
+#include "transport/kit/registration_cache.hpp"
+#include "transport/kit/transfers.hpp"
+#include "transport/same_host/link.hpp"
+#include "transport/same_host/listener.hpp"
+#include "transport/transport.hpp"
+
+namespace ferry::transport::cuda {
+class CopyEngine;
+}
+
+namespace ferry::transport::cuda_ipc {
+
+/// An active transfer by cuda_ipc: the claim exchange (same_host::Claimant), then GPU copies of
+/// up to chunk_size bytes between this side's memory and the owner's, opened here, `parallel`
+/// at once, each under the owner's grant from its start until the driver reports its end.
+class CudaIpcTransfer final : public kit::TransferBase<CudaIpcTransfer>,
+                              public same_host::Claimant {
+ public:
+  CudaIpcTransfer(TransferSpec what, TransferObserver& observer)
+      : TransferBase(std::move(what), observer) {
+    transfer_spec = &this->spec;
+  }
+
+  same_host::Link* link = nullptr;  ///< null once its connection closed
+  /// The owner's process: its grants are given back after the link may be gone.
+  std::shared_ptr<same_host::OwnerProcess> owner;
+  std::size_t seg = 0;  ///< the next byte to copy: segment, and offset in it
+  std::uint64_t seg_off = 0;
+  std::uint64_t done = 0;
+  std::map<std::uint64_t, std::uint64_t> copies;  ///< GPU copies under way: id -> bytes
+};
+
+/// CUDA memory between two processes of one host, copied by the GPU: the owner shares its
+/// allocations (legacy IPC handles, or fds of VMM exports) in CLAIMED's payload; the active
+/// side opens them once per owner and allocation (IpcImports) and copies between its own
+/// memory (CUDA or host) and the owner's. The claim exchange is the same-host one, shared with
+/// cma (same_host::Listener, same_host::Link). Only built with CUDA.
+class CudaIpcTransport final : public Transport,
+                               private kit::TransferHooks<CudaIpcTransfer>,
+                               private same_host::Link::Client {
+ public:
+  /// Why this process cannot offer cuda_ipc (none: it can).
+  static std::optional<Error> unavailable(bool ptracer_any);
+
+  /// Throws Error(Unsupported) when this process cannot offer it (no driver; what cma needs
+  /// of the host), Error(InvalidArgument) for bad options.
+  CudaIpcTransport(const Context& ctx, const CmaOptions& options,
+                   std::uint32_t grant_slots = 16384);
+  ~CudaIpcTransport() override;
+
+  const Capabilities& capabilities() const override { return caps_; }
+  std::vector<Endpoint> endpoints() const override;
+  std::shared_ptr<const Registration> register_memory(const Region& region) override;
+  std::shared_ptr<const Registration> register_exposed(const Region& region) override;
+  std::string expose(const Exposure& exposure, ExposureObserver& observer) override;
+  void revoke(std::uint64_t id, const Error& reason) override;
+  std::optional<Error> endpoint_error(const Endpoint& endpoint) const override;
+  std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
+  std::string unreachable(const Endpoint& endpoint) const override;
+  void close() override;
+
+ private:
+  // kit::TransferHooks
+  void stop(CudaIpcTransfer& t) override;
+  void tell_peer(CudaIpcTransfer& t, const Error& reason) override;
+  void settle(CudaIpcTransfer& t) override;
+
+  // same_host::Link::Client
+  same_host::Claimant* claimant(std::uint64_t id) override;
+  void granted(std::uint64_t id, const Token& secret) override;
+  void ended(std::uint64_t id, std::optional<Error> error, bool setup) override;
+  void link_closed(same_host::Link& link) override;
+
+  same_host::Link& link_to(const TransferSpec& spec);
+  void failed(CudaIpcTransfer& t, const Error& error);
+  /// The owner's allocations, for CLAIMED's payload; throws Error(Unsupported).
+  std::vector<std::byte> handles_of(const Exposure& exposure);
+  void pump(CudaIpcTransfer& t);
+  void copied(std::uint64_t transfer, std::uint64_t copy, const std::optional<Error>& error);
+  void all_copied(CudaIpcTransfer& t);
+
+  Context ctx_;
+  CmaOptions options_;
+  Capabilities caps_;
+  bool closed_ = false;
+  kit::Lifetime life_;
+  std::unique_ptr<VmmExports> vmm_;  ///< the VMM allocations shared, made on first need
+  std::unique_ptr<same_host::Listener> listener_;
+  kit::RegistrationCache registrations_{nullptr};
+  std::unique_ptr<cuda::CopyEngine> engine_;  ///< made on the first copy
+  kit::LinkPool<same_host::Link> links_;
+  std::uint64_t next_link_ = 1;
+  kit::TransferTable<CudaIpcTransfer> transfers_;
+};
+
+}  // namespace ferry::transport::cuda_ipc

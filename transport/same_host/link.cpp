@@ -1,0 +1,320 @@
+#include "transport/same_host/link.hpp"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "transport/kit/exposures.hpp"
+#include "transport/token.hpp"
+#include "transport/wire/status.hpp"
+
+namespace ferry::transport::same_host {
+
+namespace {
+
+using wire::FrameHeader;
+using wire::FrameType;
+using wire::StreamConnection;
+
+std::string reason_of(std::uint32_t status, const std::string& message) {
+  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
+}
+
+}  // namespace
+
+Link::Link(const Context& ctx, Client& client, std::string method, std::uint64_t id,
+           const std::string& address, const OwnerInfo& info, const std::string& peer_name,
+           std::uint64_t max_payload)
+    : ctx_(ctx),
+      client_(client),
+      method_(std::move(method)),
+      peer_name_(peer_name),
+      max_payload_(max_payload),
+      owner_(std::make_shared<OwnerProcess>()),
+      pending_([this](std::uint64_t, int delta) { conn_->expect_answers(delta); }) {
+  const std::string who = "peer '" + peer_name + "' (pid " + std::to_string(info.scope.pid) + ")";
+  if (const std::string why = scope_mismatch(info.scope); !why.empty())
+    throw Error(ErrorCode::Unsupported, method_ + ": " + who + ": " + why);
+  owner_->pid = info.scope.pid;
+  // Pin the process first: from here on its pid cannot mean another process to us.
+  owner_->pidfd = open_pidfd(info.scope.pid);
+  if (owner_->pidfd < 0 && errno != ENOSYS) {
+    // In our own PID namespace: the owner is gone, which another method cannot fix either.
+    const int err = errno;
+    throw Error(err == ESRCH ? ErrorCode::PeerLost : ErrorCode::Unsupported,
+                method_ + ": no process " + std::to_string(info.scope.pid) + " for " + who + ": " +
+                    errno_text(err));
+  }
+  sockaddr_un addr{};
+  socklen_t len = 0;
+  if (!socket_address(address, addr, len))
+    throw Error(ErrorCode::InvalidMetadata,
+                method_ + " endpoint '" + address + "' is not an abstract socket name",
+                "endpoints");
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (sock < 0) throw Error(ErrorCode::Internal, method_ + " socket: " + errno_text(errno));
+  // A Unix socket connects at once, or not at all (EAGAIN: the owner's backlog is full).
+  if (::connect(sock, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    const int err = errno;
+    ::close(sock);
+    throw Error(ErrorCode::PeerLost,
+                "cannot connect to " + who + " at " + address + ": " + errno_text(err));
+  }
+  // The socket must be the named process's: metadata that names one process and the socket
+  // of another would make us that other's deputy.
+  ucred cred{};
+  socklen_t cred_len = sizeof cred;
+  if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0 ||
+      cred.pid != info.scope.pid) {
+    ::close(sock);
+    throw Error(ErrorCode::AccessDenied, method_ + ": the socket " + address + " is not " + who +
+                                             "'s (it belongs to pid " + std::to_string(cred.pid) +
+                                             ")");
+  }
+  const int grants = fetch_fd(owner_->pidfd, info.scope.pid, info.grants_fd);
+  if (grants < 0) {
+    const int err = errno;
+    ::close(sock);
+    throw Error(ErrorCode::Unsupported,
+                method_ + ": cannot take the grant table of " + who + ": " + errno_text(err));
+  }
+  try {
+    owner_->grants = std::make_unique<GrantView>(grants, info.grants_bytes);
+  } catch (const Error& e) {
+    ::close(sock);
+    throw Error(ErrorCode::Unsupported, method_ + ": " + e.message());
+  }
+  conn_ = std::make_unique<StreamConnection>(
+      ctx_.loop, static_cast<StreamConnection::Handler&>(*this), StreamConnection::Role::client,
+      sock, id, address, ctx_.peer_timeout, false,
+      StreamConnection::Hello{ctx_.local_name, ctx_.local_id}, ctx_.log);
+  conn_->set_peer_name(peer_name);
+  if (!conn_->open())
+    throw Error(ErrorCode::PeerLost, "the connection to " + who + " closed at once");
+  keepalive_ = loop::Timer::timer(ctx_.loop, this);
+}
+
+Link::~Link() = default;
+
+std::string Link::describe() const {
+  return "peer '" + peer_name_ + "' (pid " + std::to_string(owner_->pid) + ")";
+}
+
+std::string Link::on_hello(StreamConnection&, const FrameHeader& hello, FrameHeader&) {
+  // The owner's probe: the nonce its HELLO gives must be what this connection's probe address
+  // holds in the process behind the socket. This also asks the kernel whether we may copy at
+  // all (ptrace rules).
+  Token seen{};
+  iovec local{seen.data(), seen.size()};
+  iovec remote{reinterpret_cast<void*>(hello.addr), seen.size()};
+  if (::process_vm_readv(static_cast<pid_t>(owner_->pid), &local, 1, &remote, 1, 0) !=
+      static_cast<ssize_t>(seen.size())) {
+    const int err = errno;
+    std::string why =
+        method_ + ": process_vm_readv toward " + describe() + " refused: " + errno_text(err);
+    if (err == EPERM)
+      why +=
+          " (ptrace rules: Yama's ptrace_scope, or the owner's credentials or user namespace "
+          "differ from ours)";
+    refusal_ = Error(err == ESRCH ? ErrorCode::PeerLost : ErrorCode::Unsupported, why);
+    return why;
+  }
+  if (!tokens_equal(seen, hello.token)) {
+    const std::string why = method_ + ": process " + std::to_string(owner_->pid) + " is not " +
+                            describe() + " (its probe does not hold the nonce)";
+    refusal_ = Error(ErrorCode::Unsupported, why);
+    return why;
+  }
+  proven_ = true;
+  std::vector<std::uint64_t> unsent = std::move(unsent_);
+  unsent_.clear();
+  for (std::uint64_t id : unsent)
+    if (Claimant* c = client_.claimant(id)) send_claim(id, *c);
+  return {};
+}
+
+void Link::attach(std::uint64_t transfer) {
+  transfers_.insert(transfer);
+  if (transfers_.size() == 1 && keepalive_) {
+    const auto period =
+        static_cast<std::uint64_t>(std::max<long long>(1, ctx_.peer_timeout.count() / 3));
+    uv_timer_start(
+        keepalive_.get(),
+        [](uv_timer_t* t) {
+          if (t->data != nullptr) static_cast<Link*>(t->data)->keepalive();
+        },
+        period, period);
+  }
+}
+
+void Link::detach(std::uint64_t transfer) {
+  transfers_.erase(transfer);
+  std::erase(unsent_, transfer);
+  if (transfers_.empty() && keepalive_) uv_timer_stop(keepalive_.get());
+}
+
+void Link::keepalive() {
+  // The owner waits for us while we copy under its grant: this tells it we are alive. (It
+  // tells us nothing of the owner: its kernel takes these into a buffer even when the owner
+  // is stopped.)
+  if (!conn_->open()) return;
+  FrameHeader h;
+  h.type = FrameType::status;
+  conn_->send(h);
+}
+
+void Link::claim(std::uint64_t transfer, Claimant& c) {
+  if (!proven_) {
+    unsent_.push_back(transfer);
+    return;
+  }
+  send_claim(transfer, c);
+}
+
+void Link::send_claim(std::uint64_t transfer, Claimant& c) {
+  // The ranges of the owner's memory this transfer touches: the owner checks each before it
+  // grants anything.
+  c.ranges = kit::claim_payload(c.transfer_spec->segments);
+  c.claim_req = pending_.add(conn_->id(), Request{transfer, Kind::claim});
+  FrameHeader h;
+  h.type = FrameType::claim;
+  h.req_id = c.claim_req;
+  h.op_id = c.transfer_spec->remote_id;
+  h.token = c.transfer_spec->token;
+  h.flags = static_cast<std::uint16_t>(c.transfer_spec->access);
+  h.len = c.ranges.size();
+  conn_->send(h, {}, c.ranges.data(), transfer);
+}
+
+void Link::send_done(std::uint64_t transfer, Claimant& c, const Error* error) {
+  if (c.done_sent || !conn_->open()) return;
+  c.done_sent = true;
+  std::erase(unsent_, transfer);
+  FrameHeader h;
+  h.type = FrameType::done;
+  h.op_id = c.transfer_spec->remote_id;
+  h.token = c.transfer_spec->token;
+  h.flags = static_cast<std::uint16_t>(c.transfer_spec->access);
+  std::string message;
+  if (error != nullptr) {
+    h.status = wire::to_wire(error->code());
+    message = error->message().substr(0, wire::kMaxMessage);
+  }
+  if (error == nullptr && c.transfer_spec->access == Access::write)
+    h.req_id = c.done_req = pending_.add(conn_->id(), Request{transfer, Kind::done});
+  conn_->send(h, message);
+}
+
+void Link::await_notice(Claimant& c) {
+  if (c.ended_by_owner) return;
+  c.ended_by_owner = true;
+  conn_->expect_answers(+1);
+}
+
+void Link::release(std::uint64_t transfer, Claimant& c) {
+  if (c.ended_by_owner) conn_->expect_answers(-1);
+  c.ended_by_owner = false;
+  pending_.forget(c.claim_req);
+  pending_.forget(c.done_req);
+  std::erase(unsent_, transfer);
+  conn_->release(transfer);
+  conn_->drop_sink(transfer);  // CLAIMED's payload being received
+}
+
+wire::Sink Link::on_frame(StreamConnection& conn, const FrameHeader& h, std::string message) {
+  switch (h.type) {
+    case FrameType::claimed:
+      return on_claimed(h);
+    case FrameType::status:
+      on_status(h, message);
+      return {};
+    default:
+      (void)conn;
+      return wire::fatal("unexpected frame type " + std::to_string(static_cast<int>(h.type)) +
+                         " from a " + method_ + " server");
+  }
+}
+
+wire::Sink Link::on_claimed(const FrameHeader& h) {
+  if (h.len > max_payload_)
+    return wire::fatal("CLAIMED with " + std::to_string(h.len) + " bytes of payload");
+  const Request* r = pending_.find(h.req_id, conn_->id());
+  Claimant* c = r == nullptr ? nullptr : client_.claimant(r->transfer);
+  if (c == nullptr || r->kind != Kind::claim) return {};  // dropped
+  c->payload.assign(h.len, std::byte{0});
+  wire::Sink sink;
+  sink.dest = c->payload.data();
+  sink.tag = r->transfer;
+  return sink;
+}
+
+void Link::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_t, bool intact) {
+  // Toward a client only CLAIMED carries a payload: the claim is granted once it is whole.
+  std::optional<Request> r = pending_.take(h.req_id, conn.id());
+  if (!r) return;
+  Claimant* c = client_.claimant(r->transfer);
+  // A payload of no bytes has no sink to land in: it is whole all the same.
+  if (c == nullptr || (!intact && h.len != 0)) return;
+  const Grant grant{static_cast<std::uint32_t>(h.addr), static_cast<std::uint32_t>(h.addr >> 32)};
+  if (!owner_->grants->holds(grant)) {
+    conn_->fail_after_notice(wire::to_wire(ErrorCode::ProtocolError),
+                             "CLAIMED names a grant outside the owner's table");
+    return;
+  }
+  c->grant = grant;
+  c->claimed = true;
+  client_.granted(r->transfer, h.token);
+}
+
+void Link::on_status(const FrameHeader& h, const std::string& message) {
+  if (h.req_id == 0 && h.op_id != 0) {
+    // The owner ended operation op_id (cancelled, deadline, closed) and says why.
+    const Error ended(
+        wire::from_wire(h.status),
+        "peer " + conn_->describe_peer() + " ended the operation: " + reason_of(h.status, message));
+    for (std::uint64_t id : transfers_)
+      if (Claimant* c = client_.claimant(id);
+          c != nullptr && c->transfer_spec->remote_id == h.op_id) {
+        client_.ended(id, ended, false);
+        break;
+      }
+    return;
+  }
+  if (h.req_id == 0) {
+    conn_->set_notice(h.status, message);
+    return;
+  }
+  std::optional<Request> r = pending_.take(h.req_id, conn_->id());
+  if (!r || client_.claimant(r->transfer) == nullptr) return;
+  if (h.status == 0) {
+    if (r->kind == Kind::done) client_.ended(r->transfer, std::nullopt, false);
+    return;
+  }
+  client_.ended(r->transfer,
+                Error(wire::from_wire(h.status), "peer " + conn_->describe_peer() +
+                                                     " refused: " + reason_of(h.status, message)),
+                false);
+}
+
+void Link::on_closed(StreamConnection& conn, const std::string& reason) {
+  const std::string who = conn.describe_peer();
+  const Error error =
+      refusal_ ? *refusal_
+      : conn.notice().empty()
+          ? Error(ErrorCode::PeerLost, "connection to peer " + who + " lost: " + reason)
+          : Error(wire::from_wire(conn.notice_status()),
+                  "peer " + who + " closed the connection: " + conn.notice());
+  keepalive_.reset();
+  pending_.drop_connection(conn.id());
+  std::vector<std::uint64_t> on_it(transfers_.begin(), transfers_.end());
+  for (std::uint64_t id : on_it)
+    if (Claimant* c = client_.claimant(id))
+      // Before the claim was granted, nothing of either side's memory was touched.
+      client_.ended(id, error, /*setup=*/!c->claimed);
+  client_.link_closed(*this);
+}
+
+}  // namespace ferry::transport::same_host

@@ -1,0 +1,372 @@
+#include "transport/same_host/listener.hpp"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include <ferry/rdma_metadata.hpp>
+
+#include "loop/ids.hpp"
+#include "transport/same_host/owner_info.hpp"
+#include "transport/same_host/system.hpp"
+#include "transport/token.hpp"
+#include "transport/wire/status.hpp"
+
+namespace ferry::transport::same_host {
+
+namespace {
+
+using wire::FrameHeader;
+using wire::FrameType;
+using wire::StreamConnection;
+
+/// The tag of exposure `id`'s CLAIMED frame, whose payload lives in its claim (operation ids
+/// never have bit 63).
+constexpr std::uint64_t claimed_tag(std::uint64_t id) noexcept { return id | (1ull << 63); }
+
+int listen_on(const std::string& address) {
+  sockaddr_un addr{};
+  socklen_t len = 0;
+  socket_address(address, addr, len);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(ErrorCode::Internal, "same-host socket: " + errno_text(errno));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw Error(ErrorCode::Internal, "cannot listen on " + address + ": " + errno_text(err));
+  }
+  return fd;
+}
+
+std::string reason_of(std::uint32_t status, const std::string& message) {
+  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
+}
+
+}  // namespace
+
+Listener::Listener(const Context& ctx, std::string method, const std::string& prefix,
+                   std::uint32_t grant_slots, ClaimPayload payload)
+    : ctx_(ctx),
+      method_(std::move(method)),
+      payload_(std::move(payload)),
+      address_("@" + prefix + "-" + loop::hex16(loop::random_u64())),
+      grants_(grant_slots),
+      exposures_(method_, ctx.defer),
+      conns_(ctx.defer) {
+  socket_ = std::make_unique<kit::StreamListener>(
+      ctx_.loop, listen_on(address_), method_, ctx_.listener,
+      [this](std::uint64_t id, const std::string& why) { evict(id, why); },
+      [this](int fd) { accept(fd); }, ctx_.log);
+  OwnerInfo info;
+  info.scope = this_process();
+  info.grants_fd = grants_.fd();
+  info.grants_bytes = grants_.bytes();
+  info_ = to_info(info);
+}
+
+Listener::~Listener() { close(); }
+
+void Listener::close() {
+  if (closed_) return;
+  closed_ = true;
+  socket_->close();
+  // Peers may still copy under grants of exposures never revoked; the memory is the owner's
+  // to keep until they are done (revoke() waits for that; here only as long as peer_timeout).
+  for (auto& [id, c] : claimed_) {
+    close_grant(c);
+    // Its CLAIMED frame, if still queued, must not read the payload about to go (the
+    // connections flush what is queued below).
+    if (StreamConnection* conn = conns_.find(c.conn); conn != nullptr && !c.payload.empty())
+      conn->release(claimed_tag(id));
+  }
+  claimed_.clear();
+  exposures_.clear();
+  conns_.clear([](StreamConnection& c) { c.close_gracefully(); });
+  for (auto& [id, p] : peers_)
+    if (p.pidfd >= 0) ::close(p.pidfd);
+  peers_.clear();
+}
+
+void Listener::accept(int fd) {
+  Peer p;
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    p.pid = cred.pid;
+    // Watching the peer's process lets revoke() stop waiting for a peer that died mid-copy.
+    p.pidfd = open_pidfd(cred.pid);
+  }
+  const std::uint64_t id = next_conn_++;
+  conns_.add(id, std::make_unique<StreamConnection>(
+                     ctx_.loop, static_cast<StreamConnection::Handler&>(*this),
+                     StreamConnection::Role::server, fd, id, "pid " + std::to_string(p.pid),
+                     ctx_.peer_timeout, false,
+                     StreamConnection::Hello{ctx_.local_name, ctx_.local_id}, ctx_.log));
+  peers_[id] = std::move(p);
+  socket_->admission().accepted(id);
+}
+
+void Listener::evict(std::uint64_t id, const std::string& why) {
+  StreamConnection* conn = conns_.find(id);
+  if (conn == nullptr || !conn->open()) return;
+  FrameHeader h;
+  h.type = FrameType::status;
+  h.status = wire::to_wire(ErrorCode::AccessDenied);
+  conn->send(h, why);
+  conn->close_gracefully();
+  conn->fail(why);
+}
+
+std::string Listener::on_hello(StreamConnection& conn, const FrameHeader&, FrameHeader& reply) {
+  socket_->admission().heard(conn.id());
+  // This connection's probe: a nonce of its own, at an address of this process. The peer
+  // reads it there; nobody else learns it.
+  Peer& p = peers_[conn.id()];
+  p.probe = std::make_unique<Token>(random_token());
+  reply.addr = reinterpret_cast<std::uint64_t>(p.probe->data());
+  reply.token = *p.probe;
+  return {};
+}
+
+bool Listener::peer_idle(std::uint64_t conn_id) const {
+  auto it = peers_.find(conn_id);
+  if (it == peers_.end()) return false;
+  return process_exited(it->second.pidfd) ||
+         (it->second.pid > 0 && process_stopped(it->second.pid));
+}
+
+bool Listener::close_grant(const Claimed& claim) {
+  return grants_.close(claim.grant, std::chrono::steady_clock::now() + ctx_.peer_timeout,
+                       [this, c = claim.conn] { return peer_idle(c); });
+}
+
+void Listener::expose(const Exposure& exposure, ExposureObserver& observer) {
+  exposures_.add(exposure, observer);
+}
+
+void Listener::revoke(std::uint64_t id, const Error& reason) {
+  if (StreamConnection* conn = end_claim(exposures_.revoke(id), id)) {
+    // The claimant learns why at once (its next copy is refused in any case).
+    FrameHeader h;
+    h.type = FrameType::status;
+    h.op_id = id;
+    h.status = wire::to_wire(reason.code());
+    conn->send(h, std::string_view(reason.message()).substr(0, wire::kMaxMessage));
+  }
+}
+
+StreamConnection* Listener::end_claim(std::uint64_t conn_id, std::uint64_t id) {
+  StreamConnection* conn = conn_id == 0 ? nullptr : conns_.find(conn_id);
+  if (auto it = claimed_.find(id); it != claimed_.end()) {
+    // Its CLAIMED frame, if still queued, must not read the payload about to go.
+    if (StreamConnection* c = conns_.find(it->second.conn);
+        c != nullptr && !it->second.payload.empty())
+      c->release(claimed_tag(id));
+    // cancel()'s promise: once this returns, no copy of the peer touches the memory. Copies
+    // last a chunk; a peer that outlives peer_timeout holding the grant is reported.
+    if (!close_grant(it->second))
+      ctx_.log.error(method_ + ": a peer still held a copy grant on operation " + loop::hex16(id) +
+                     " " + std::to_string(ctx_.peer_timeout.count()) +
+                     " ms after it ended; its memory may still be touched by that copy");
+    claimed_.erase(it);
+  }
+  if (conn != nullptr) conn->expect_answers(-1);  // the claim no longer waits for this peer
+  return conn;
+}
+
+void Listener::finish_exposure(std::uint64_t id, std::optional<Error> peer_error) {
+  end_claim(exposures_.finish(id, std::move(peer_error)), id);
+}
+
+void Listener::reply(StreamConnection& conn, std::uint64_t req, const Error* error) {
+  FrameHeader h;
+  h.type = FrameType::status;
+  h.req_id = req;
+  if (error == nullptr) {
+    conn.send(h);
+    return;
+  }
+  h.status = wire::to_wire(error->code());
+  conn.send(h, std::string_view(error->message()).substr(0, wire::kMaxMessage));
+}
+
+wire::Sink Listener::on_frame(StreamConnection& conn, const FrameHeader& h, std::string message) {
+  switch (h.type) {
+    case FrameType::claim:
+      return receive_claim(conn, h);
+    case FrameType::done:
+      serve_done(conn, h, message);
+      return {};
+    case FrameType::status:
+      return {};  // a keepalive: the peer is there, copying
+    default:
+      return wire::fatal("unexpected frame type " + std::to_string(static_cast<int>(h.type)) +
+                         " from a " + method_ + " client");
+  }
+}
+
+wire::Sink Listener::receive_claim(StreamConnection& conn, const FrameHeader& h) {
+  if (h.len == 0 || h.len % 16 != 0 || h.len > kMaxClaimBytes)
+    return wire::fatal("CLAIM of " + std::to_string(h.len) + " bytes of ranges");
+  Peer& p = peers_[conn.id()];
+  p.refused.reset();
+  // Nothing is sized by what a peer says before it shows a live token of the right kind: a
+  // refused claim's ranges are read and dropped.
+  const auto access = static_cast<Access>(h.flags);
+  auto v = exposures_.check(h.op_id, h.token, access, 0, 0, conn.id());
+  if (h.flags != static_cast<std::uint16_t>(Access::read) &&
+      h.flags != static_cast<std::uint16_t>(Access::write))
+    v = {ErrorCode::ProtocolError, "CLAIM names no access kind"};
+  if (!v.ok()) {
+    p.refused = Error(v.code, v.message);
+    return {};
+  }
+  // At most a range per descriptor of either side, and one more per seam between them.
+  const std::uint64_t most =
+      16 * (2 * std::uint64_t{RdmaMetadata::kMaxDescriptors} + v.entry->exposure.regions.size());
+  if (h.len > most) return wire::fatal("CLAIM of " + std::to_string(h.len) + " bytes of ranges");
+  p.claim.resize(h.len);
+  wire::Sink sink;
+  sink.dest = p.claim.data();
+  return sink;
+}
+
+void Listener::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_t,
+                          bool intact) {
+  // Toward a server only a CLAIM carries a payload (its ranges).
+  Peer& p = peers_[conn.id()];
+  if (p.refused) {
+    const Error refused = *p.refused;
+    p.refused.reset();
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  if (intact) serve_claim(conn, h);
+}
+
+void Listener::serve_claim(StreamConnection& conn, const FrameHeader& h) {
+  std::vector<std::byte> buf = std::move(peers_[conn.id()].claim);
+  kit::Exposures::Ranges ranges;
+  auto v =
+      exposures_.check_claim(h.op_id, h.token, h.flags, buf.data(), buf.size(), conn.id(), ranges);
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  kit::Exposures::Entry* entry = v.entry;
+  if (claimed_.count(h.op_id) != 0) {
+    const Error refused(ErrorCode::AccessDenied, "the operation is claimed already");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  std::vector<std::byte> payload;
+  if (payload_) {
+    try {
+      payload = payload_(entry->exposure);
+    } catch (const Error& e) {
+      reply(conn, h.req_id, &e);
+      return;
+    }
+  }
+  auto grant = grants_.open();
+  if (!grant) {
+    const Error refused(ErrorCode::Unsupported, "too many operations claimed at once (" +
+                                                    std::to_string(grants_.bytes() / kSlotBytes) +
+                                                    ")");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  auto secret =
+      exposures_.claim(*entry, conn.id(), conn.peer_name(), conn.describe_peer(), conn.peer_id());
+  if (!secret) {
+    grants_.close(*grant, std::chrono::steady_clock::now(), {});
+    const Error refused(ErrorCode::AccessDenied, "the operation is claimed already");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  socket_->admission().claimed(conn.id());
+  Claimed& claimed = claimed_[h.op_id] =
+      Claimed{conn.id(), *grant, std::move(ranges), std::move(payload)};
+  // While it holds the claim, the connection waits for its peer: a peer that goes silent
+  // (its keepalives stop) is dropped after peer_timeout and the operation errors.
+  conn.expect_answers(+1);
+  FrameHeader out;
+  out.type = FrameType::claimed;
+  out.req_id = h.req_id;
+  out.op_id = h.op_id;
+  out.token = *secret;
+  out.addr = std::uint64_t{grant->slot} | (std::uint64_t{grant->generation} << 32);
+  out.len = claimed.payload.size();
+  conn.send(out, {}, claimed.payload.data(), claimed.payload.empty() ? 0 : claimed_tag(h.op_id));
+}
+
+void Listener::serve_done(StreamConnection& conn, const FrameHeader& h,
+                          const std::string& message) {
+  if (h.flags != static_cast<std::uint16_t>(Access::read) &&
+      h.flags != static_cast<std::uint16_t>(Access::write)) {
+    const Error refused(ErrorCode::ProtocolError, "DONE names no access kind");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  const auto access = static_cast<Access>(h.flags);
+  auto v = exposures_.check(h.op_id, h.token, access, 0, 0, conn.id());
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  auto claim = claimed_.find(h.op_id);
+  if (h.status != 0) {
+    const Error noted(ErrorCode::Cancelled, "noted");
+    reply(conn, h.req_id, &noted);
+    finish_exposure(h.op_id, Error(wire::from_wire(h.status),
+                                   "peer " + conn.describe_peer() +
+                                       " ended the transfer: " + reason_of(h.status, message)));
+    return;
+  }
+  if (claim == claimed_.end() || claim->second.conn != conn.id()) {
+    const Error refused(ErrorCode::ProtocolError, "DONE for an operation never claimed");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  if (access == Access::write) {
+    // Every range of the claim was copied under the grant before the peer said DONE. A
+    // writable is complete only when they cover every byte it exposes.
+    for (const auto& [addr, len] : claim->second.ranges) exposures_.landed(h.op_id, addr, len);
+    if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {
+      const Error why(ErrorCode::ProtocolError,
+                      "peer " + conn.describe_peer() + " said it was done " + short_of);
+      reply(conn, h.req_id, &why);
+      finish_exposure(h.op_id, why);
+      return;
+    }
+  }
+  reply(conn, h.req_id, nullptr);
+  finish_exposure(h.op_id, std::nullopt);
+}
+
+void Listener::on_closed(StreamConnection& conn, const std::string& reason) {
+  // Its copies are over (a process closes its sockets last) or bounded by peer_timeout.
+  for (auto it = claimed_.begin(); it != claimed_.end();) {
+    if (it->second.conn != conn.id()) {
+      ++it;
+      continue;
+    }
+    close_grant(it->second);
+    it = claimed_.erase(it);
+  }
+  exposures_.lose_connection(conn.id(), Error(ErrorCode::PeerLost, "peer " + conn.describe_peer() +
+                                                                       " disconnected: " + reason));
+  socket_->admission().closed(conn.id());
+  if (auto p = peers_.find(conn.id()); p != peers_.end()) {
+    if (p->second.pidfd >= 0) ::close(p->second.pidfd);
+    peers_.erase(p);
+  }
+  conns_.bury(conn.id());
+}
+
+}  // namespace ferry::transport::same_host

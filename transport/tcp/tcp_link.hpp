@@ -1,0 +1,80 @@
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_set>
+
+#include "transport/kit/pending.hpp"
+#include "transport/tcp/tcp_transfer.hpp"
+#include "transport/wire/socket.hpp"
+#include "transport/wire/stream_connection.hpp"
+
+namespace ferry::transport::tcp {
+
+class TcpTransport;
+
+/// One connection to a peer's tcp listener, the active side: shared by every transfer toward
+/// that address (kit::LinkPool keeps it while idle). Sends the transfers' requests within their
+/// windows, takes the answers (only those to requests it sent), and ends its transfers when
+/// the connection goes.
+class TcpLink final : private wire::StreamConnection::Handler {
+ public:
+  /// Connects to `address` (non-blocking). Throws Error(PeerLost) when the connect is refused
+  /// at once.
+  TcpLink(TcpTransport& owner, std::uint64_t id, const wire::SocketAddress& address,
+          const std::string& peer_name);
+  ~TcpLink() override;
+
+  /// Takes `t` on and sends what its window allows.
+  void attach(TcpTransfer& t);
+  /// `t` is let go of: its requests are forgotten, its frames dropped or finished from a copy.
+  void detach(TcpTransfer& t);
+  /// Sends the requests `t`'s window allows, then a write's DONE behind its last chunk.
+  void pump(TcpTransfer& t);
+  /// Tells the owner that `t` ended: with no error a read's last notice, else why.
+  void send_done(TcpTransfer& t, const Error* error);
+  /// Forgets `t`'s requests and its queued frames; nothing of it is read or written after.
+  void release(TcpTransfer& t);
+
+  bool usable() const noexcept { return conn_->usable(); }
+  bool idle() const noexcept { return transfers_.empty(); }
+  /// Closes without calling back (the pool lets an idle link go, or the transport closes).
+  void close() noexcept { conn_->close_gracefully(); }
+  std::chrono::steady_clock::time_point idle_since{};
+
+ private:
+  enum class Kind { read_chunk, write_chunk, done };
+  struct Request {
+    std::uint64_t transfer = 0;  ///< 0: nobody waits for the answer (a notice)
+    Kind kind = Kind::done;
+    std::byte* local = nullptr;
+    std::uint64_t len = 0;
+    std::uint64_t unit = 0;  ///< the staging unit its bytes pass through; 0: none
+  };
+
+  // wire::StreamConnection::Handler
+  wire::Sink on_frame(wire::StreamConnection& conn, const wire::FrameHeader& h,
+                      std::string message) override;
+  void on_payload(wire::StreamConnection& conn, const wire::FrameHeader& h, std::uint64_t tag,
+                  bool intact) override;
+  void on_sent(wire::StreamConnection&, std::uint64_t) override {}
+  void on_closed(wire::StreamConnection& conn, const std::string& reason) override;
+
+  /// Queues the next request of `t`; false when the window or a staging chunk stops it.
+  bool request(TcpTransfer& t);
+  wire::Sink on_status(const wire::FrameHeader& h, const std::string& message);
+  /// Request `req` of `t` is done: its bytes are in place (staged: on the device too).
+  void answered(TcpTransfer& t, std::uint64_t req, const Request& r);
+  TcpTransfer* live(std::uint64_t id) const;
+  std::string peer() const { return "peer " + conn_->describe_peer(); }
+
+  TcpTransport& owner_;
+  std::unique_ptr<wire::StreamConnection> conn_;
+  kit::PendingRequests<Request> pending_;
+  std::unordered_set<std::uint64_t> transfers_;
+};
+
+}  // namespace ferry::transport::tcp

@@ -1,0 +1,327 @@
+#include "transport/tcp/tcp_listener.hpp"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "transport/cuda/stager.hpp"
+#include "transport/wire/status.hpp"
+
+namespace ferry::transport::tcp {
+
+namespace {
+
+using wire::FrameHeader;
+using wire::FrameType;
+using wire::StreamConnection;
+
+int listen_on(const wire::SocketAddress& bind) {
+  const int fd = ::socket(bind.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(ErrorCode::Internal, "socket: " + wire::socket_error_text(errno));
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd, bind.get(), bind.length) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw Error(ErrorCode::Internal,
+                "cannot listen on " + bind.to_string() + ": " + wire::socket_error_text(err));
+  }
+  return fd;
+}
+
+std::string reason_of(std::uint32_t status, const std::string& message) {
+  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
+}
+
+}  // namespace
+
+TcpListener::TcpListener(const Context& ctx, const TcpOptions& options,
+                         const wire::SocketAddress& bind)
+    : ctx_(ctx), options_(options), exposures_("tcp", ctx.defer), conns_(ctx.defer) {
+  socket_ = std::make_unique<kit::StreamListener>(
+      ctx_.loop, listen_on(bind), "tcp", ctx_.listener,
+      [this](std::uint64_t id, const std::string& why) { evict(id, why); },
+      [this](int fd) { accept(fd); }, ctx_.log);
+}
+
+TcpListener::~TcpListener() { close(); }
+
+wire::SocketAddress TcpListener::bound() const {
+  wire::SocketAddress out;
+  out.length = sizeof out.storage;
+  getsockname(socket_->fd(), reinterpret_cast<sockaddr*>(&out.storage), &out.length);
+  return out;
+}
+
+void TcpListener::close() {
+  if (closed_) return;
+  closed_ = true;
+  // Copies in flight end first (waiting for them, without their completions).
+  if (stager_) {
+    for (const auto& [unit, s] : staged_) stager_->drop(s.op);
+  }
+  staged_.clear();
+  receiving_.clear();
+  waiting_reads_.clear();
+  parked_done_.clear();
+  socket_->close();
+  exposures_.clear();
+  conns_.clear([](StreamConnection& c) { c.close_gracefully(); });
+  // Last: the connections above may have sent their last frames from staging chunks.
+  stager_.reset();
+}
+
+void TcpListener::accept(int fd) {
+  wire::apply_peer_options(fd, ctx_.peer_timeout);
+  wire::SocketAddress peer;
+  peer.length = sizeof peer.storage;
+  getpeername(fd, reinterpret_cast<sockaddr*>(&peer.storage), &peer.length);
+  const std::uint64_t id = next_conn_++;
+  conns_.add(id, std::make_unique<StreamConnection>(
+                     ctx_.loop, static_cast<StreamConnection::Handler&>(*this),
+                     StreamConnection::Role::server, fd, id, peer.to_string(), ctx_.peer_timeout,
+                     false, StreamConnection::Hello{ctx_.local_name, ctx_.local_id}, ctx_.log));
+  socket_->admission().accepted(id);
+}
+
+void TcpListener::evict(std::uint64_t id, const std::string& why) {
+  StreamConnection* conn = conns_.find(id);
+  if (conn == nullptr || !conn->open()) return;
+  // Tell it why, then free the slot at once: an evicted peer that never reads must not keep
+  // holding it while a lingering close waits for it.
+  FrameHeader h;
+  h.type = FrameType::status;
+  h.status = wire::to_wire(ErrorCode::AccessDenied);
+  conn->send(h, why);
+  conn->close_gracefully();
+  conn->fail(why);
+}
+
+std::string TcpListener::on_hello(StreamConnection& conn, const FrameHeader&, FrameHeader&) {
+  socket_->admission().heard(conn.id());
+  return {};
+}
+
+void TcpListener::expose(const Exposure& exposure, ExposureObserver& observer) {
+  exposures_.add(exposure, observer);
+}
+
+void TcpListener::revoke(std::uint64_t id, const Error& reason) {
+  if (StreamConnection* conn = end_claim(exposures_.revoke(id), id, reason)) {
+    // The owner ended the operation (cancelled, deadline, shutdown): its claimant learns why
+    // at once, instead of an access refusal for its next request.
+    FrameHeader h;
+    h.type = FrameType::status;
+    h.op_id = id;
+    h.status = wire::to_wire(reason.code());
+    conn->send(h, std::string_view(reason.message()).substr(0, wire::kMaxMessage));
+  }
+}
+
+StreamConnection* TcpListener::end_claim(std::uint64_t conn_id, std::uint64_t id,
+                                         const Error& reason) {
+  StreamConnection* conn = conn_id == 0 ? nullptr : conns_.find(conn_id);
+  if (conn == nullptr) return nullptr;
+  conn->expect_answers(-1);  // the claim no longer waits for this peer
+  // Read responses still queued become error answers that tell the claimant why (one partly
+  // sent finishes from a copy); a payload being received is drained, not stored.
+  auto replace = [&](FrameHeader& h, std::string& message) {
+    h.type = FrameType::status;
+    h.status = wire::to_wire(reason.code());
+    message = reason.message().substr(0, wire::kMaxMessage);
+  };
+  conn->release(id, replace);
+  conn->drop_sink(id);
+  if (!staged_.empty() || !parked_done_.empty()) drop_staged(id, conn, replace);
+  return conn;
+}
+
+void TcpListener::finish_exposure(std::uint64_t id, std::optional<Error> peer_error) {
+  // Requests of this peer still queued (a peer that ended with an error may have left some)
+  // must not read the memory once the operation is over.
+  const Error reason =
+      peer_error ? *peer_error : Error(ErrorCode::Cancelled, "the operation ended");
+  end_claim(exposures_.finish(id, std::move(peer_error)), id, reason);
+}
+
+void TcpListener::reply(StreamConnection& conn, std::uint64_t req, const Error* error) {
+  FrameHeader h;
+  h.type = FrameType::status;
+  h.req_id = req;
+  if (error == nullptr) {
+    conn.send(h);
+    return;
+  }
+  h.status = wire::to_wire(error->code());
+  conn.send(h, std::string_view(error->message()).substr(0, wire::kMaxMessage));
+}
+
+void TcpListener::claim(kit::Exposures::Entry& entry, StreamConnection& conn) {
+  auto secret =
+      exposures_.claim(entry, conn.id(), conn.peer_name(), conn.describe_peer(), conn.peer_id());
+  if (!secret) return;
+  socket_->admission().claimed(conn.id());
+  // While it serves a claimed operation, the connection waits for its peer: a peer that goes
+  // silent (stopped, or cut off without a reset) is dropped after peer_timeout, and the
+  // operation errors, instead of waiting forever.
+  conn.expect_answers(+1);
+  // The claim's secret goes to the claimant alone, ahead of the answer to its request.
+  FrameHeader h;
+  h.type = FrameType::claimed;
+  h.op_id = entry.exposure.id;
+  h.token = *secret;
+  conn.send(h);
+}
+
+wire::Sink TcpListener::on_frame(StreamConnection& conn, const FrameHeader& h,
+                                 std::string message) {
+  switch (h.type) {
+    case FrameType::read:
+      serve_read(conn, h);
+      return {};
+    case FrameType::write:
+      return serve_write(conn, h);
+    case FrameType::done:
+      serve_done(conn, h, message);
+      return {};
+    default:
+      return wire::fatal("unexpected frame type " + std::to_string(static_cast<int>(h.type)) +
+                         " from a client");
+  }
+}
+
+void TcpListener::serve_read(StreamConnection& conn, const FrameHeader& h) {
+  if (h.len == 0 || h.len > options_.max_request) {
+    const Error refused(ErrorCode::AccessDenied,
+                        "read of " + std::to_string(h.len) + " bytes: requests take 1 to " +
+                            std::to_string(options_.max_request) + " bytes");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  auto v = exposures_.check(h.op_id, h.token, Access::read, h.addr, h.len, conn.id());
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  claim(*v.entry, conn);
+  if (const int ordinal = device_of(*v.entry, v.ptr); ordinal >= 0) {
+    serve_read_staged(conn, h, v.ptr, ordinal);
+    return;
+  }
+  exposures_.sending(h.op_id);
+  FrameHeader d;
+  d.type = FrameType::data;
+  d.req_id = h.req_id;
+  d.len = h.len;
+  conn.send(d, {}, v.ptr, h.op_id);
+}
+
+wire::Sink TcpListener::serve_write(StreamConnection& conn, const FrameHeader& h) {
+  // A write's payload follows its header; one too large to skip ends the connection.
+  if (h.len > options_.max_request)
+    return wire::fatal("write of " + std::to_string(h.len) + " bytes exceeds the limit of " +
+                       std::to_string(options_.max_request));
+  if (h.len == 0) return {};
+  auto v = exposures_.check(h.op_id, h.token, Access::write, h.addr, h.len, conn.id());
+  if (!v.ok()) return {};  // discarded; on_payload answers with the refusal
+  claim(*v.entry, conn);
+  if (const int ordinal = device_of(*v.entry, v.ptr); ordinal >= 0)
+    return serve_write_staged(conn, h, v.ptr, ordinal);
+  wire::Sink sink;
+  sink.dest = v.ptr;
+  sink.tag = h.op_id;
+  return sink;
+}
+
+void TcpListener::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_t,
+                             bool intact) {
+  if (!receiving_.empty() && staged_payload(conn, h, intact)) return;
+  // The end of a WRITE: answer it now that its bytes are in memory (or were refused).
+  if (intact && exposures_.find(h.op_id) != nullptr) {
+    exposures_.landed(h.op_id, h.addr, h.len);
+    reply(conn, h.req_id, nullptr);
+    return;
+  }
+  if (h.len == 0) {
+    const Error refused(ErrorCode::AccessDenied, "empty write");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  auto v = exposures_.check(h.op_id, h.token, Access::write, h.addr, h.len, conn.id());
+  const Error refused = v.ok()
+                            ? Error(ErrorCode::Cancelled, "the operation ended while bytes arrived")
+                            : Error(v.code, v.message);
+  reply(conn, h.req_id, &refused);
+}
+
+void TcpListener::serve_done(StreamConnection& conn, const FrameHeader& h,
+                             const std::string& message) {
+  if (h.flags != static_cast<std::uint16_t>(Access::read) &&
+      h.flags != static_cast<std::uint16_t>(Access::write)) {
+    const Error refused(ErrorCode::ProtocolError, "DONE names no access kind");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  const auto access = static_cast<Access>(h.flags);
+  auto v = exposures_.check(h.op_id, h.token, access, 0, 0, conn.id());
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  claim(*v.entry, conn);
+  if (h.status == 0 && access == Access::write && stager_ && stager_->copying(h.op_id)) {
+    // Bytes of earlier WRITEs are still on their way into the device: answer once they are
+    // all there (write_copied serves this DONE again).
+    parked_done_[h.op_id] = Parked{conn.id(), h, message};
+    return;
+  }
+  if (h.status == 0 && access == Access::write) {
+    // A writable is complete only when every byte it exposes was written at least once.
+    if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {
+      const Error why(ErrorCode::ProtocolError,
+                      "peer " + conn.describe_peer() + " said it was done " + short_of);
+      reply(conn, h.req_id, &why);
+      finish_exposure(h.op_id, why);
+      return;
+    }
+  }
+  reply(conn, h.req_id, nullptr);
+  if (h.status == 0) {
+    // A readable is done only once every byte it queued has left its memory.
+    if (access == Access::read && !exposures_.done_reading(h.op_id)) return;
+    finish_exposure(h.op_id, std::nullopt);
+    return;
+  }
+  finish_exposure(h.op_id, Error(wire::from_wire(h.status),
+                                 "peer " + conn.describe_peer() +
+                                     " ended the transfer: " + reason_of(h.status, message)));
+}
+
+void TcpListener::on_sent(StreamConnection& conn, std::uint64_t tag) {
+  if ((tag & kStagedTag) != 0) {
+    // DATA sent from a staging chunk: the chunk is free again.
+    const std::uint64_t unit = tag & ~kStagedTag;
+    auto it = staged_.find(unit);
+    if (it == staged_.end()) return;
+    const std::uint64_t op = it->second.op;
+    staged_.erase(it);
+    stager_->close(unit);
+    if (exposures_.sent(op)) finish_exposure(op, std::nullopt);
+    return;
+  }
+  (void)conn;
+  if (exposures_.sent(tag)) finish_exposure(tag, std::nullopt);
+}
+
+void TcpListener::on_closed(StreamConnection& conn, const std::string& reason) {
+  drop_staged_conn(conn.id());
+  exposures_.lose_connection(conn.id(), Error(ErrorCode::PeerLost, "peer " + conn.describe_peer() +
+                                                                       " disconnected: " + reason));
+  socket_->admission().closed(conn.id());
+  conns_.bury(conn.id());
+}
+
+}  // namespace ferry::transport::tcp
