@@ -14,9 +14,14 @@ struct EventLoop::Shared {
   uv_loop_t own_loop{};
   uv_loop_t* loop = nullptr;
   uv_async_t* async = nullptr;
-  uv_idle_t* idle = nullptr;    // active while work is deferred: the loop must not block
-  uv_check_t* check = nullptr;  // runs deferred work right after the turn's I/O
+  uv_idle_t* idle = nullptr;        // active while work is deferred: the loop must not block
+  uv_check_t* check = nullptr;      // runs deferred work right after the turn's I/O
+  uv_prepare_t* prepare = nullptr;  // embedded: learns, every turn, which thread runs the loop
   std::atomic<std::thread::id> loop_thread{};
+  std::atomic<bool> turned{false};
+  // Embedded, until the loop first turns: held by whichever thread acts as the loop's, and
+  // taken by the first turn before it claims the loop.
+  std::recursive_mutex first_turn;
   Log log;
 
   std::mutex mu;
@@ -67,6 +72,13 @@ EventLoop::EventLoop(uv_loop_t* external, Log log) : shared_(std::make_shared<Sh
   s.check->data = &s;
 
   if (embedded_) {
+    // The caller may run its loop on another thread than this one: the loop says which, at
+    // every turn (a prepare handle wakes nobody; unreferenced, it keeps no loop alive).
+    s.prepare = new uv_prepare_t{};
+    uv_prepare_init(s.loop, s.prepare);
+    s.prepare->data = &s;
+    uv_prepare_start(s.prepare, &EventLoop::on_prepare);
+    uv_unref(reinterpret_cast<uv_handle_t*>(s.prepare));
     s.loop_thread.store(std::this_thread::get_id());
     return;
   }
@@ -91,6 +103,44 @@ bool EventLoop::in_loop_thread() const noexcept {
 
 Error EventLoop::closed_error() {
   return Error(ErrorCode::InvalidState, "the connector is closed");
+}
+
+bool EventLoop::turned() const noexcept { return shared_->turned.load(std::memory_order_acquire); }
+
+bool EventLoop::enter(Hold& hold) const {
+  if (!embedded_ || turned()) return in_loop_thread();
+  hold = Hold(shared_->first_turn);
+  if (turned()) return in_loop_thread();
+  // Nobody has run the loop yet: this thread acts as its thread until someone does.
+  shared_->loop_thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  return true;
+}
+
+bool EventLoop::may_block() const {
+  if (!embedded_ || turned()) return !in_loop_thread();
+  // Embedded and never run: another thread may be about to run the loop (then blocking is
+  // right, off that thread), or nobody will (then it would wait for ever). Give the first a
+  // moment to show itself.
+  const auto until = std::chrono::steady_clock::now() + kFirstTurn;
+  while (!turned() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!turned())
+    throw Error(ErrorCode::WrongThread,
+                "the connector's loop (ConnectorOptions::loop) has never run: a blocking wait "
+                "would wait for ever; run the loop, or use on_complete()");
+  return !in_loop_thread();
+}
+
+void EventLoop::on_prepare(uv_prepare_t* handle) {
+  auto& s = *static_cast<Shared*>(handle->data);
+  if (s.turned.load(std::memory_order_relaxed)) {
+    s.loop_thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    return;
+  }
+  // The first turn: wait for a thread acting as the loop's to finish, then claim the loop.
+  std::lock_guard hold(s.first_turn);
+  s.loop_thread.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  s.turned.store(true, std::memory_order_release);
 }
 
 bool EventLoop::post(Task task) { return Poster(shared_).post(std::move(task)); }
@@ -174,6 +224,8 @@ void EventLoop::close(Task teardown) {
     close_and_delete(s->async);
     close_and_delete(s->idle);
     close_and_delete(s->check);
+    close_and_delete(s->prepare);
+    s->prepare = nullptr;
     s->async = nullptr;
     s->idle = nullptr;
     s->check = nullptr;
@@ -183,16 +235,18 @@ void EventLoop::close(Task teardown) {
     done->set_value();
   };
 
+  Hold hold;
+  const bool here = enter(hold);
   {
     std::lock_guard lock(s->mu);
     if (s->closing) return;
     s->closing = true;
-    if (!in_loop_thread()) {
+    if (!here) {
       s->queue.push_back(std::move(finish));
       uv_async_send(s->async);
     }
   }
-  if (in_loop_thread()) {
+  if (here) {
     finish();
     // Owned mode, closing from the loop thread itself: the thread cannot join itself; it
     // finishes uv_run on its own and releases the shared state.

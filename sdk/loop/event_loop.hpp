@@ -3,6 +3,7 @@
 #include <uv.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <future>
 #include <memory>
@@ -19,11 +20,22 @@ namespace ferry::loop {
 
 /// One libuv loop: ferry's own thread, or a caller's loop (embedded mode). Every state change
 /// of a connector happens on it; other threads reach it through post() and call().
+///
+/// Embedded mode: the loop's thread is the one that runs it, learned at every turn of the loop
+/// (a prepare handle, which costs no wakeup). Until the loop first turns, nobody runs it, and
+/// any thread that calls in acts as its thread, one at a time; the first turn waits for the
+/// one acting to finish, then takes the loop over. So a connector made in main() whose loop
+/// then runs on another thread works from main(): its calls go to that thread once it runs.
 class EventLoop {
   struct Shared;
 
  public:
   using Task = std::function<void()>;
+  /// How long a blocking wait on an embedded loop that has never turned waits for it to turn
+  /// before it is refused.
+  static constexpr std::chrono::seconds kFirstTurn{2};
+  /// Kept by a thread while it runs loop work itself (see enter()).
+  using Hold = std::unique_lock<std::recursive_mutex>;
 
   /// Owned mode (external == nullptr): starts a loop thread. Embedded mode: attaches to
   /// `external`; must be called on the thread that runs it, or while it is not running.
@@ -37,6 +49,13 @@ class EventLoop {
   uv_loop_t* uv() const noexcept { return loop_; }
   const Log& log() const noexcept;
   bool in_loop_thread() const noexcept;
+  /// Whether the calling thread may run loop work itself now: it is the loop's thread, or
+  /// (embedded, before the first turn) it acts as the loop's thread while `hold` is kept.
+  bool enter(Hold& hold) const;
+  /// Whether a blocking wait is safe on this thread: false on the loop's thread. Embedded,
+  /// before the loop first turns, waits up to kFirstTurn for it to turn, and throws
+  /// WrongThread if it does not: nothing would ever end the wait.
+  bool may_block() const;
 
   /// Queues `task` for the loop. Any thread. False (and `task` dropped) once closed.
   bool post(Task task);
@@ -70,7 +89,7 @@ class EventLoop {
   template <class F>
   auto call(F&& fn) -> std::invoke_result_t<F&> {
     using R = std::invoke_result_t<F&>;
-    if (in_loop_thread()) return fn();
+    if (Hold hold; enter(hold)) return fn();
     auto task = std::make_shared<std::packaged_task<R()>>(std::forward<F>(fn));
     auto result = task->get_future();
     if (!post([task] { (*task)(); })) throw closed_error();
@@ -92,6 +111,9 @@ class EventLoop {
   static void on_check(uv_check_t* handle);
   static void run_deferred(Shared& s);
   static Error closed_error();
+  /// Embedded: whether the loop has turned since this object was made.
+  bool turned() const noexcept;
+  static void on_prepare(uv_prepare_t* handle);
 
   std::shared_ptr<Shared> shared_;
   uv_loop_t* loop_ = nullptr;

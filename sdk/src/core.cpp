@@ -351,7 +351,7 @@ std::shared_ptr<ActiveOperation> Core::launch(std::shared_ptr<ActiveOperation> o
                                               std::function<void(ActiveOperation&)> start,
                                               std::chrono::milliseconds timeout) {
   op->set_status(OperationStatus::in_progress);
-  if (loop->in_loop_thread()) {
+  if (loop::EventLoop::Hold hold; loop->enter(hold)) {
     if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
     start(*op);  // throws to the caller: the operation was never armed
     op->arm(timeout);

@@ -138,7 +138,7 @@ Error wrong_thread() {
 }  // namespace
 
 void OperationState::wait() const {
-  if (core->loop->in_loop_thread()) throw wrong_thread();
+  if (!core->loop->may_block()) throw wrong_thread();
   {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return is_final(status()); });
@@ -147,7 +147,7 @@ void OperationState::wait() const {
 }
 
 bool OperationState::wait_for(std::chrono::nanoseconds timeout) const {
-  if (core->loop->in_loop_thread()) throw wrong_thread();
+  if (!core->loop->may_block()) throw wrong_thread();
   {
     // condition_variable::wait_for adds the timeout to now(): a huge timeout (say
     // nanoseconds::max()) overflows into the past and returns at once. Cap it at a century
@@ -175,7 +175,7 @@ void OperationState::on_complete(CompletionCallback callback) {
     std::optional<Error> e = self->error();
     callback(self->status(), e ? &*e : nullptr);
   };
-  if (core->loop->in_loop_thread()) {
+  if (loop::EventLoop::Hold hold; core->loop->enter(hold)) {
     core->loop->defer(run);
     return;
   }

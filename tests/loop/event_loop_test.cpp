@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <future>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -238,6 +239,96 @@ TEST(Embedded, ConnectorOnACallerOwnedLoopCompletesTransfers) {
   EXPECT_GT(ticks, 0);
   uv_close(reinterpret_cast<uv_handle_t*>(&tick), nullptr);
   // Everything the connector opened closes within a few turns; then the loop is empty.
+  uv_run(&loop, UV_RUN_DEFAULT);
+  EXPECT_EQ(uv_loop_close(&loop), 0);
+}
+
+// A worker that makes its connector in main() and then runs the loop on a thread of its own.
+// The calls main() makes go to the loop's thread: a deadline armed there fires, a transfer
+// completes. (Before, the deadline timer was started from main() while another thread ran
+// the loop; it never fired and create_readable's operation waited for ever.)
+TEST(Embedded, AConnectorMadeOnOneThreadServesALoopRunOnAnother) {
+  uv_loop_t loop;
+  ASSERT_EQ(uv_loop_init(&loop), 0);
+  std::atomic<bool> stop{false};
+  uv_timer_t stopper;
+  uv_timer_init(&loop, &stopper);
+  stopper.data = &stop;
+  uv_timer_start(
+      &stopper,
+      [](uv_timer_t* t) {
+        if (static_cast<std::atomic<bool>*>(t->data)->load())
+          uv_close(reinterpret_cast<uv_handle_t*>(t), nullptr);
+      },
+      1, 1);
+
+  auto connector = std::make_unique<Connector>([&] {
+    ConnectorOptions options = test::named("embedded");
+    options.loop = &loop;
+    return options;
+  }());
+  // The run ends once the connector is gone and the stopper has stopped.
+  std::thread runner([&] { uv_run(&loop, UV_RUN_DEFAULT); });
+
+  auto src = test::buffer(4096);
+  const auto started = std::chrono::steady_clock::now();
+  auto readable = connector->create_readable({Descriptor(src.data(), src.size())},
+                                             OperationOptions{.timeout = 300ms, .subject = {}});
+  try {
+    (void)readable.wait_for_completion(10s);
+    ADD_FAILURE() << "a readable nobody read completed";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Timeout) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - started, 5s);
+
+  Connector remote(test::named("remote"));
+  auto data = test::patterned(1 << 20, 4);
+  auto served = remote.create_readable({Descriptor(data.data(), data.size())});
+  auto dst = test::buffer(1 << 20);
+  auto read = connector->begin_read(served.metadata(), {Descriptor(dst.data(), dst.size())});
+  EXPECT_TRUE(read.wait_for_completion(30s));
+  EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 4), -1);
+
+  connector.reset();
+  stop = true;
+  runner.join();
+  uv_run(&loop, UV_RUN_DEFAULT);
+  EXPECT_EQ(uv_loop_close(&loop), 0);
+}
+
+// A connector attached to a loop that nobody runs: calls from any thread work (each acts as
+// the loop's thread while it runs), but a blocking wait could never end. It is refused
+// (WrongThread) within kFirstTurn, on every thread, instead of hanging.
+TEST(Embedded, ABlockingWaitOnALoopNobodyRunsIsRefusedNotHung) {
+  uv_loop_t loop;
+  ASSERT_EQ(uv_loop_init(&loop), 0);
+  {
+    ConnectorOptions options = test::named("idle-loop");
+    options.loop = &loop;
+    Connector connector(options);
+    auto src = test::buffer(4096);
+    auto waited = [&](ReadableOperation& readable) -> std::optional<ErrorCode> {
+      try {
+        (void)readable.wait_for_completion(30s);
+      } catch (const Error& e) {
+        return e.code();
+      }
+      return std::nullopt;
+    };
+    auto elsewhere = std::async(std::launch::async, [&] {
+      auto readable = connector.create_readable({Descriptor(src.data(), src.size())});
+      EXPECT_EQ(readable.status(), OperationStatus::initialized);
+      return waited(readable);
+    });
+    const auto started = std::chrono::steady_clock::now();
+    ASSERT_EQ(elsewhere.wait_for(30s), std::future_status::ready) << "the wait hung";
+    EXPECT_EQ(elsewhere.get(), std::optional(ErrorCode::WrongThread));
+    EXPECT_LT(std::chrono::steady_clock::now() - started,
+              loop::EventLoop::kFirstTurn + std::chrono::seconds(3));
+    auto here = connector.create_readable({Descriptor(src.data(), src.size())});
+    EXPECT_EQ(waited(here), std::optional(ErrorCode::WrongThread));
+  }
   uv_run(&loop, UV_RUN_DEFAULT);
   EXPECT_EQ(uv_loop_close(&loop), 0);
 }
