@@ -399,10 +399,18 @@ void VerbsClient::stop(VerbsTransfer& t) {
 }
 
 void VerbsClient::tell_peer(VerbsTransfer& t, const Error& reason) {
-  // The owner hears why, after every request of ours on the same queue pair. A claim still on
-  // the way is answered by on_reply(), which tells the owner then.
+  // The owner hears why, after every request of ours on the same queue pair: also when our
+  // claim is still on the way (the DONE follows it in order, and its answer will not count),
+  // since this connection may close before that answer comes.
   Conn* conn = t_.conn_of(t.conn);
-  if (conn == nullptr || conn->state != Conn::State::up || !t.secret) return;
+  if (conn == nullptr || conn->state != Conn::State::up) return;
+  bool claiming = false;
+  pending_.forget_if([&](const Pending& p) {
+    const bool ours = p.transfer == t.id() && !p.done;
+    claiming = claiming || ours;
+    return ours;
+  });
+  if (!t.secret && !claiming) return;  // nothing claimed: nothing to end
   send_done(*conn, Pending{t.id(), false, t.spec.remote_id, t.spec.token, t.spec.access}, reason);
 }
 

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -102,6 +103,11 @@ class Conn final : private wire::FrameReader::Handler {
   /// Fails the connection (PeerLost) unless it is up within `limit`; established() stops it.
   void arm_deadline(std::chrono::milliseconds limit);
   void established() noexcept { timer_.reset(); }
+  /// Whether a control message (or window bind) is queued or in the send queue.
+  bool telling() const noexcept {
+    return !outbox.empty() || std::any_of(posted.begin(), posted.end(),
+                                          [](const Posted& p) { return p.transfer == 0; });
+  }
 
   std::string describe() const {
     return "'" + peer_name + "'" + (address.empty() ? std::string() : " at " + address);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "loop/ids.hpp"
 #include "transport/method.hpp"
@@ -138,6 +139,7 @@ std::string VerbsTransport::unreachable(const Endpoint& endpoint) const {
 
 void VerbsTransport::close() {
   if (closed_) return;
+  linger();
   closed_ = true;
   life_.end();
   cm_poll_.reset();
@@ -167,6 +169,24 @@ void VerbsTransport::close() {
   registrations_ = kit::RegistrationCache(nullptr);
   client_.reset();                  // its staging chunks' registrations, then the chunks
   if (devices_) devices_->close();  // protection domains go with the last registration in them
+}
+
+void VerbsTransport::linger() {
+  // The DONEs of the transfers just cancelled are queued or posted: they tell each peer how
+  // its operation ended, where a disconnect alone would say only that the connection went.
+  // Give them a moment to leave (they are signalled: their completions say so); a peer that
+  // does not take them is not waited for long.
+  const auto until = std::chrono::steady_clock::now() +
+                     std::min<std::chrono::milliseconds>(ctx_.peer_timeout, kLinger);
+  auto telling = [this] {
+    return std::any_of(conns_.begin(), conns_.end(), [](const auto& kv) {
+      const Conn& c = *kv.second;
+      return c.state == Conn::State::up && c.telling();
+    });
+  };
+  while (devices_ && telling() && std::chrono::steady_clock::now() < until) {
+    if (devices_->drain_all() == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 std::shared_ptr<void> VerbsTransport::register_region(const Region& region) {
@@ -296,11 +316,19 @@ void VerbsTransport::cm_event(rdma_cm_event& ev) {
       fail_conn(*conn, ErrorCode::PeerLost, what, conn->state != Conn::State::up);
       return;
     case RDMA_CM_EVENT_DISCONNECTED:
-    case RDMA_CM_EVENT_DEVICE_REMOVAL:
+    case RDMA_CM_EVENT_DEVICE_REMOVAL: {
+      // What the peer sent before it went (the DONE of a transfer it cancelled as it closed)
+      // may wait in the completion queue: it is read first, so that it, not the disconnect,
+      // says how the peer's operations ended.
+      const std::uint64_t id = conn->id;
+      devices_->drain_all();
+      conn = conn_of(id);
+      if (conn == nullptr || conn->state == Conn::State::failed) return;
       // A local port going down may reach us as a disconnect before its async event (or a
       // flushed completion) does: the port is named either way.
       fail_conn(*conn, ErrorCode::PeerLost, what + port_down(*conn));
       return;
+    }
     default:
       return;
   }

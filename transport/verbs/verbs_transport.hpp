@@ -236,6 +236,12 @@ class VerbsTransport final : public Transport, private Devices::Handler, private
   friend class VerbsServer;
   friend class VerbsClient;
 
+  /// The most close() waits for the control messages already sent to leave (linger()).
+  static constexpr std::chrono::milliseconds kLinger{200};
+  /// Waits, kLinger at most, until no connection that is up has a control message queued or
+  /// in flight.
+  void linger();
+
   // Devices::Handler
   void completion(const ibv_wc& wc) override;
   void async_event(Device& dev, const ibv_async_event& event) override;

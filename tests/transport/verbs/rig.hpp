@@ -27,7 +27,7 @@ struct Side {
   loop::EventLoop loop;
   std::unique_ptr<VerbsTransport> transport;
   Side(std::string name, const VerbsApi* api, std::string address = "127.0.0.1",
-       std::function<void(VerbsOptions&)> tune = {}) {
+       std::function<void(VerbsOptions&)> tune = {}, std::function<void(Context&)> setup = {}) {
     Context c;
     c.loop = loop.uv();
     c.defer = [this](std::function<void()> f) { loop.defer(std::move(f)); };
@@ -35,6 +35,7 @@ struct Side {
     c.local_name = std::move(name);
     c.local_id = 0x1234;
     c.peer_timeout = 3s;
+    if (setup) setup(c);
     VerbsOptions o;
     if (tune) tune(o);
     transport = loop.call([&] { return std::make_unique<VerbsTransport>(c, o, api); });

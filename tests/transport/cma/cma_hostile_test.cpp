@@ -1,0 +1,243 @@
+// Hostile peers of the same-host claim exchange (cma here; cuda_ipc shares its listener and
+// link), tried as an adversary would:
+//  - a forger that hands a reader metadata naming a victim's process with the forger's own
+//    socket, and relays the victim's HELLO (its probe) so that every check of the process
+//    passes: the reader must see that the socket is not the victim's before it claims
+//    anything, or it becomes the forger's deputy inside the victim's memory;
+//  - connections that greet and go silent, past the listener's bounds: honest peers still get
+//    in;
+//  - CLAIM headers that announce megabytes of ranges under a wrong token: the owner sizes
+//    nothing before the token is checked.
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <fstream>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ferry/ferry.hpp>
+
+#include "tests/support/child_process.hpp"
+#include "tests/support/patterns.hpp"
+#include "tests/support/raw_peer.hpp"
+#include "tests/support/util.hpp"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using test::ChildProcess;
+using test::FrameHeader;
+using test::FrameType;
+using test::RawClient;
+
+ConnectorOptions cma_only(const std::string& name) {
+  ConnectorOptions o = test::named(name);
+  o.transports = {"cma"};
+  o.use_environment = false;
+  o.nats.use_environment = false;
+  return o;
+}
+
+#define SKIP_WITHOUT_CMA()                                                        \
+  do {                                                                            \
+    for (const MethodInfo& m : probe_methods(cma_only("probe")))                  \
+      if (m.method == "cma" && !m.available) GTEST_SKIP() << "cma: " << m.detail; \
+  } while (0)
+
+sockaddr_un abstract(const std::string& name, socklen_t& len) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path + 1, name.data() + 1, name.size() - 1);  // "@name": abstract
+  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size());
+  return sa;
+}
+
+/// A blocking client connection to the abstract socket `name`; not connected() on failure.
+std::unique_ptr<RawClient> connect_to(const std::string& name) {
+  socklen_t len = 0;
+  sockaddr_un sa = abstract(name, len);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&sa), len) != 0) {
+    ::close(fd);
+    return std::make_unique<RawClient>(RawClient::Adopt{}, -1);
+  }
+  return std::make_unique<RawClient>(RawClient::Adopt{}, fd);
+}
+
+const Endpoint& cma_endpoint(const RdmaMetadata& meta) {
+  for (const Endpoint& e : meta.endpoints)
+    if (e.method == "cma") return e;
+  throw std::runtime_error("the metadata offers no cma endpoint");
+}
+
+RdmaMetadata readable_of(ChildProcess& owner, std::size_t size, int seed) {
+  owner.send_line("readable " + std::to_string(size) + " " + std::to_string(seed));
+  const std::string line = owner.read_line();
+  if (line.rfind("META ", 0) != 0) throw std::runtime_error("the owner said: " + line);
+  return RdmaMetadata::from_json(line.substr(5));
+}
+
+// ---------------------------------------------------------------------------------------
+// The confused deputy
+
+TEST(CmaHostile, ASocketThatIsNotTheNamedProcesssIsRefusedBeforeAnyClaim) {
+  SKIP_WITHOUT_CMA();
+  ChildProcess victim(test::peer_command({"victim"}), {"FERRY_TRANSPORTS=cma"});
+  const RdmaMetadata real = readable_of(victim, 64 << 10, 7);
+  const std::string victims_socket = cma_endpoint(real).address;
+
+  // The forger's socket, in the metadata in place of the victim's: pid, probe and grant
+  // table all still the victim's.
+  const std::string forger_name = "@ferry-forger-" + std::to_string(::getpid());
+  socklen_t len = 0;
+  sockaddr_un sa = abstract(forger_name, len);
+  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&sa), len), 0) << std::strerror(errno);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  timeval tv{};
+  tv.tv_sec = test::kSocketTimeoutSeconds;
+  ::setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  RdmaMetadata forged = real;
+  std::erase_if(forged.endpoints, [](const Endpoint& e) { return e.method != "cma"; });
+  forged.endpoints[0].address = forger_name;
+
+  // The forger relays the HELLOs between the reader and the victim, then waits for the claim.
+  std::atomic<bool> relayed{false};
+  auto claimed = std::async(std::launch::async, [&]() -> bool {
+    const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return false;
+    RawClient reader(RawClient::Adopt{}, fd);
+    auto to_victim = connect_to(victims_socket);
+    auto hello = reader.read_any_frame();
+    if (!hello || !to_victim->connected() ||
+        !to_victim->send_frame(hello->header, hello->message, hello->payload))
+      return false;
+    auto answer = to_victim->read_any_frame();
+    if (!answer || !reader.send_frame(answer->header, answer->message, answer->payload))
+      return false;
+    relayed = true;
+    auto next = reader.read_any_frame();
+    return next && next->header.type == FrameType::claim;
+  });
+
+  Connector deputy(cma_only("deputy"));
+  auto dst = test::buffer(64 << 10);
+  auto read = deputy.begin_read(forged, dst);
+  const ErrorCode code = test::ended_with(read, 15s);
+  EXPECT_FALSE(claimed.get()) << "the reader sent its claim (and the token) to the forger";
+  EXPECT_EQ(code, ErrorCode::AccessDenied) << to_string(code);
+  EXPECT_FALSE(relayed) << "the reader spoke to the forger's socket";
+  ::close(listener);
+}
+
+// ---------------------------------------------------------------------------------------
+// Bounds on what unauthenticated peers hold
+
+/// Raises the descriptor limit to `want` (or the hard limit); the limit now in force.
+rlim_t raise_descriptors(rlim_t want) {
+  rlimit r{};
+  ::getrlimit(RLIMIT_NOFILE, &r);
+  if (r.rlim_cur < want) {
+    r.rlim_cur = std::min(want, r.rlim_max);
+    ::setrlimit(RLIMIT_NOFILE, &r);
+    ::getrlimit(RLIMIT_NOFILE, &r);
+  }
+  return r.rlim_cur;
+}
+
+TEST(CmaHostile, ConnectionsThatGreetAndGoSilentDoNotLockOutHonestPeers) {
+  SKIP_WITHOUT_CMA();
+  constexpr int kSilent = 1100;
+  // Both ends of every connection are in this process.
+  if (raise_descriptors(4096) < 2 * kSilent + 256)
+    GTEST_SKIP() << "the descriptor limit is below " << 2 * kSilent + 256;
+  Connector owner(cma_only("owner"));
+  auto src = test::patterned(1 << 20, 4);
+  auto readable = owner.create_readable(src);
+  const std::string address = cma_endpoint(readable.metadata()).address;
+
+  std::vector<std::unique_ptr<RawClient>> silent;
+  int greeted = 0;
+  for (int i = 0; i < kSilent; ++i) {
+    silent.push_back(connect_to(address));
+    if (silent.back()->connected() && silent.back()->greet("silent-" + std::to_string(i)))
+      ++greeted;
+  }
+  EXPECT_GT(greeted, 0) << "no silent connection got in: nothing was tested";
+
+  Connector reader(cma_only("reader"));
+  auto dst = test::buffer(1 << 20);
+  auto read = reader.begin_read(readable.metadata(), dst);
+  try {
+    EXPECT_TRUE(read.wait_for_completion(15s)) << "an honest read did not end";
+  } catch (const Error& e) {
+    ADD_FAILURE() << "an honest read after " << greeted << " silent connections: " << e.what();
+  }
+  EXPECT_EQ(test::first_mismatch(dst.data(), dst.size(), 4), -1);
+
+  // The owner kept no more of them than ListenerOptions::max_unclaimed.
+  std::size_t open = 0;
+  for (auto& c : silent) {
+    char byte;
+    const ssize_t n = ::recv(c->fd(), &byte, 1, MSG_DONTWAIT);
+    open += n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? 1 : 0;
+  }
+  EXPECT_LE(open, ListenerOptions{}.max_unclaimed);
+}
+
+std::size_t resident_bytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
+}
+
+TEST(CmaHostile, ClaimsAnnouncingHugeRangesUnderAWrongTokenCostTheOwnerNothing) {
+  SKIP_WITHOUT_CMA();
+  constexpr int kConnections = 128;
+  constexpr std::uint64_t kAnnounced = 4u << 20;
+  ChildProcess owner(test::peer_command({"owner"}), {"FERRY_TRANSPORTS=cma"});
+  const RdmaMetadata meta = readable_of(owner, 4096, 3);
+  const std::string address = cma_endpoint(meta).address;
+  const std::uint64_t op_id = std::stoull(meta.notification_key, nullptr, 16);
+  const std::size_t before = resident_bytes(owner.pid());
+  ASSERT_GT(before, 0u);
+
+  std::vector<std::unique_ptr<RawClient>> claimants;
+  for (int i = 0; i < kConnections; ++i) {
+    auto c = connect_to(address);
+    ASSERT_TRUE(c->connected() && c->greet("claimant")) << c->error();
+    FrameHeader claim;
+    claim.type = FrameType::claim;
+    claim.req_id = 1;
+    claim.op_id = op_id;
+    claim.token = transport::random_token();  // not the operation's
+    claim.flags = 1;                          // read
+    claim.len = kAnnounced;                   // and not one byte of it sent
+    ASSERT_TRUE(c->send_frame(claim)) << c->error();
+    claimants.push_back(std::move(c));
+  }
+  // The owner reads each header as it comes (it would answer once the announced ranges have
+  // been read and dropped); a second is plenty for 128 headers.
+  std::this_thread::sleep_for(1s);
+  const std::size_t after = resident_bytes(owner.pid());
+  EXPECT_LT(after, before + (64u << 20))
+      << kConnections << " claims under a wrong token grew the owner from " << before << " to "
+      << after << " bytes resident";
+}
+
+}  // namespace
+}  // namespace ferry
