@@ -10,7 +10,7 @@
 #include <string>
 #include <string_view>
 
-#include <ferry/connector.hpp>
+#include <ferry/options.hpp>
 
 #include "loop/event_loop.hpp"
 #include "loop/uv_handle.hpp"
