@@ -459,7 +459,7 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   check(natsOptions_UseGlobalMessageDelivery(opts, true), "message delivery");
   // The socket is polled by the loop through ferry's driver (see nats_adapter.hpp). The
   // connect below attaches it from here, the loop thread, so it is polled at once.
-  driver_ = std::make_unique<NatsSocketDriver>(loop.uv());
+  driver_ = std::make_unique<NatsSocketDriver>(loop.uv(), loop.log());
   check(driver_->install(opts), "event loop");
   auto* events = new EventClosure{state_, loop.poster()};
   natsOptions_SetDisconnectedCB(opts, on_disconnected, events);
