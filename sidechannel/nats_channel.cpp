@@ -2,6 +2,7 @@
 #include "loop/ids.hpp"
 #include "loop/uv_handle.hpp"
 #include "sidechannel/nats_adapter.hpp"
+#include "sidechannel/outbox.hpp"
 
 #include <fcntl.h>
 #include <nats/nats.h>
@@ -10,9 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdio>
-#include <deque>
 #include <list>
 #include <mutex>
 #include <thread>
@@ -261,52 +260,12 @@ struct NatsChannel::State {
   }
 };
 
-// cnats calls made off the loop, in order (see the class comment).
-struct NatsChannel::Outbox {
+// cnats' connection, set by the constructor, and the subscriptions made on it, which belong to
+// the outbox's thread.
+struct NatsChannel::Wire {
   natsConnection* nc = nullptr;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> tasks;                    // guarded by mu
-  bool stopping = false;                                      // guarded by mu
-  std::unordered_map<std::uint64_t, natsSubscription*> subs;  // worker thread only
-  std::vector<natsSubscription*> draining;                    // worker thread only
-  std::thread thread;
-
-  void start() {
-    thread = std::thread([this] {
-      for (;;) {
-        std::function<void()> task;
-        {
-          std::unique_lock lock(mu);
-          cv.wait(lock, [&] { return stopping || !tasks.empty(); });
-          if (tasks.empty()) return;  // stopping, and everything queued has run
-          task = std::move(tasks.front());
-          tasks.pop_front();
-        }
-        task();
-      }
-    });
-  }
-  void push(std::function<void()> task) {
-    {
-      std::lock_guard lock(mu);
-      if (stopping) return;
-      tasks.push_back(std::move(task));
-    }
-    cv.notify_one();
-  }
-  // No more tasks; the thread runs what is queued, then ends.
-  void finish_queue() {
-    {
-      std::lock_guard lock(mu);
-      stopping = true;
-    }
-    cv.notify_one();
-  }
-  void stop() {
-    finish_queue();
-    if (thread.joinable()) thread.join();
-  }
+  std::unordered_map<std::uint64_t, natsSubscription*> subs;
+  std::vector<natsSubscription*> draining;
 };
 
 namespace {
@@ -413,7 +372,10 @@ void on_error(natsConnection*, natsSubscription*, natsStatus err, void* closure)
 }  // namespace
 
 NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string client_id)
-    : loop_(loop), state_(std::make_shared<State>()), outbox_(std::make_unique<Outbox>()) {
+    : loop_(loop),
+      state_(std::make_shared<State>()),
+      outbox_(std::make_unique<Outbox>()),
+      wire_(std::make_unique<Wire>()) {
   state_->poster = loop.poster();
   state_->prefix = o.prefix.empty() ? "ferry" : o.prefix;
   state_->inbox = state_->prefix + ".inbox." + client_id;
@@ -479,7 +441,7 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
                   "the NATS server at " + where + " refused the credentials: " + why);
     throw Error(ErrorCode::SideChannel, "cannot connect to NATS at " + where + ": " + why);
   }
-  outbox_->nc = nc;
+  wire_->nc = nc;
   closer_ = loop::Async::async(
       loop.uv(),
       [](uv_async_t* h) {
@@ -503,7 +465,6 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
     local_ip_ = ip;
     free(ip);  // allocated by cnats
   }
-  outbox_->start();
 
   // Answers to this connector's requests arrive at "<inbox>.<n>".
   inbox_sub_ = subscribe(state_->inbox + ".*", {}, nullptr);
@@ -517,15 +478,15 @@ NatsChannel::~NatsChannel() {
   state_->order.clear();
   state_->confirms.clear();
   state_.reset();
-  natsConnection* nc = outbox_->nc;
+  natsConnection* nc = wire_->nc;
   outbox_->stop();
   // On the loop thread: the driver applies cnats' stop-polling and detach at once here.
   // Once Close has returned (it joins cnats' reconnect thread), cnats calls the driver no
   // more, and the driver closes what it still holds.
   natsConnection_Close(nc);
   driver_->shutdown();
-  for (auto& [id, sub] : outbox_->subs) natsSubscription_Destroy(sub);
-  for (natsSubscription* sub : outbox_->draining) natsSubscription_Destroy(sub);
+  for (auto& [id, sub] : wire_->subs) natsSubscription_Destroy(sub);
+  for (natsSubscription* sub : wire_->draining) natsSubscription_Destroy(sub);
   natsConnection_Destroy(nc);
   // closer_, finisher_ and confirm_timer_ close themselves.
 }
@@ -544,10 +505,10 @@ void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
   // The flush runs on the worker while the loop, free, writes what cnats buffered and reads
   // the PONG; then the worker wakes the loop to finish.
   self->outbox_->push([self] {
-    natsConnection_FlushTimeout(self->outbox_->nc, 500);
+    natsConnection_FlushTimeout(self->wire_->nc, 500);
     uv_async_send(self->closer_.get());
   });
-  self->outbox_->finish_queue();
+  self->outbox_->finish();
 }
 
 std::string NatsChannel::own_subject(std::string_view suffix) const {
@@ -593,8 +554,8 @@ std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std:
     natsSubscription* sub = nullptr;
     natsStatus s =
         queue.empty()
-            ? natsConnection_Subscribe(&sub, outbox_->nc, subject.c_str(), on_message, closure)
-            : natsConnection_QueueSubscribe(&sub, outbox_->nc, subject.c_str(), queue.c_str(),
+            ? natsConnection_Subscribe(&sub, wire_->nc, subject.c_str(), on_message, closure)
+            : natsConnection_QueueSubscribe(&sub, wire_->nc, subject.c_str(), queue.c_str(),
                                             on_message, closure);
     if (s != NATS_OK) {
       delete closure;
@@ -608,10 +569,10 @@ std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std:
       return;
     }
     natsSubscription_SetOnCompleteCB(sub, on_sub_complete, closure);
-    outbox_->subs[id] = sub;
+    wire_->subs[id] = sub;
     // Behind the SUB on the same connection: when this comes back to our inbox, the server
     // has the subscription.
-    if (!confirm.empty()) natsConnection_Publish(outbox_->nc, confirm.c_str(), nullptr, 0);
+    if (!confirm.empty()) natsConnection_Publish(wire_->nc, confirm.c_str(), nullptr, 0);
   });
   return id;
 }
@@ -642,13 +603,13 @@ void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
   }
   outbox_->push([this, id, drain, poster = loop_.poster(), weak = std::weak_ptr<State>(state_)] {
     // Drained subscriptions are destroyed once cnats has closed them.
-    std::erase_if(outbox_->draining, [](natsSubscription* sub) {
+    std::erase_if(wire_->draining, [](natsSubscription* sub) {
       if (natsSubscription_IsValid(sub)) return false;
       natsSubscription_Destroy(sub);
       return true;
     });
-    auto it = outbox_->subs.find(id);
-    if (it == outbox_->subs.end()) {
+    auto it = wire_->subs.find(id);
+    if (it == wire_->subs.end()) {
       // Never subscribed (cnats refused it): no drain will end the kept handler.
       if (drain)
         poster.post([weak, id] {
@@ -657,12 +618,12 @@ void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
       return;
     }
     if (drain && natsSubscription_Drain(it->second) == NATS_OK) {
-      outbox_->draining.push_back(it->second);
+      wire_->draining.push_back(it->second);
     } else {
       natsSubscription_Unsubscribe(it->second);
       natsSubscription_Destroy(it->second);
     }
-    outbox_->subs.erase(it);
+    wire_->subs.erase(it);
   });
 }
 
@@ -677,9 +638,9 @@ void NatsChannel::publish(const std::string& subject, std::string data, const st
   }
   outbox_->push([this, subject, data = std::move(data), reply] {
     natsStatus s = reply.empty()
-                       ? natsConnection_Publish(outbox_->nc, subject.c_str(), data.data(),
+                       ? natsConnection_Publish(wire_->nc, subject.c_str(), data.data(),
                                                 static_cast<int>(data.size()))
-                       : natsConnection_PublishRequest(outbox_->nc, subject.c_str(), reply.c_str(),
+                       : natsConnection_PublishRequest(wire_->nc, subject.c_str(), reply.c_str(),
                                                        data.data(), static_cast<int>(data.size()));
     if (s != NATS_OK)
       std::fprintf(stderr, "ferry: NATS publish to %s failed: %s\n", subject.c_str(),
@@ -781,9 +742,8 @@ void NatsChannel::reconfirm() {
   const auto deadline = State::Clock::now() + state_->request_timeout;
   for (auto& [id, c] : state_->confirms) {
     c.deadline = deadline;
-    outbox_->push([this, inbox = c.inbox] {
-      natsConnection_Publish(outbox_->nc, inbox.c_str(), nullptr, 0);
-    });
+    outbox_->push(
+        [this, inbox = c.inbox] { natsConnection_Publish(wire_->nc, inbox.c_str(), nullptr, 0); });
   }
   arm_confirm_timer();
 }

@@ -43,16 +43,17 @@ using RandomSource = ssize_t (*)(void* buffer, std::size_t length, unsigned int 
 RandomSource set_random_source_for_testing(RandomSource source);
 
 class NatsSocketDriver;
+class Outbox;
 
 /// A NATS connection whose socket is driven by a connector's loop (NatsSocketDriver, ferry's
 /// side of cnats' event-loop contract).
 ///
 /// Threads: every method runs on the loop thread. cnats delivers messages and connection
 /// events on threads of its own; they are handed to the loop and handlers run there. Calls
-/// that take cnats' connection lock (publish, subscribe, unsubscribe) run on a worker thread
-/// of this class, in order, because cnats holds that lock while a reconnect attempt
-/// connects, which may take up to connect_timeout: the loop, which moves every transfer,
-/// must not wait for it.
+/// that take cnats' connection lock (publish, subscribe, unsubscribe) run on the channel's
+/// Outbox, a thread of its own, in order, because cnats holds that lock while a reconnect
+/// attempt connects, which may take up to connect_timeout: the loop, which moves every
+/// transfer, must not wait for it.
 class NatsChannel {
  public:
   /// Connects, on the loop thread: cnats attaches the socket from the thread that connects,
@@ -149,7 +150,7 @@ class NatsChannel {
  private:
   std::uint64_t subscribe_impl(const std::string& subject, const std::string& queue,
                                MessageHandler handler, Registered registered, Answer direct);
-  struct Outbox;
+  struct Wire;  // cnats' connection and the subscriptions made on it (defined in the .cpp)
 
   // Confirmations' deadlines (see subscribe()).
   void arm_confirm_timer();
@@ -162,6 +163,7 @@ class NatsChannel {
   std::shared_ptr<State> state_;
   std::unique_ptr<NatsSocketDriver> driver_;
   std::unique_ptr<Outbox> outbox_;
+  std::unique_ptr<Wire> wire_;
   std::string local_ip_;
   std::uint64_t inbox_sub_ = 0;
   // The two-phase close: the worker's final flush wakes closer_; finisher_ runs a loop turn
