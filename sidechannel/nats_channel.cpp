@@ -2,6 +2,7 @@
 #include "loop/ids.hpp"
 #include "loop/uv_handle.hpp"
 #include "sidechannel/nats_adapter.hpp"
+#include "sidechannel/nats_connect.hpp"
 #include "sidechannel/outbox.hpp"
 
 #include <fcntl.h>
@@ -102,22 +103,6 @@ std::uint64_t fallback_id() {
                  "a per-process seed instead\n");
   });
   return mix(seed + 0x9e3779b97f4a7c15ULL * ++counter);
-}
-
-std::string status_text(natsStatus s) {
-  std::string text = natsStatus_GetText(s);
-  // cnats keeps a more precise message (e.g. the server's -ERR) per thread, behind a
-  // "(file.c:line): " location that is no business of ours.
-  if (const char* last = nats_GetLastError(nullptr); last != nullptr && *last != '\0') {
-    std::string detail = last;
-    if (auto at = detail.rfind("): "); at != std::string::npos) detail.erase(0, at + 3);
-    if (!detail.empty() && detail != text) text += ": " + detail;
-  }
-  return text;
-}
-
-void check(natsStatus s, const char* what) {
-  if (s != NATS_OK) throw Error(ErrorCode::SideChannel, std::string(what) + ": " + status_text(s));
 }
 
 }  // namespace
@@ -384,62 +369,24 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
   if (auto why = subject_problem(state_->inbox); !why.empty())
     throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + state_->prefix + "' " + why);
 
-  natsOptions* opts = nullptr;
-  check(natsOptions_Create(&opts), "natsOptions_Create");
-  std::unique_ptr<natsOptions, void (*)(natsOptions*)> guard(opts, natsOptions_Destroy);
-  std::vector<const char*> urls;
-  for (const auto& u : o.servers) urls.push_back(u.c_str());
-  check(natsOptions_SetServers(opts, urls.data(), static_cast<int>(urls.size())), "servers");
-  check(natsOptions_SetNoRandomize(opts, true), "servers");
-  if (!o.user.empty() || !o.password.empty())
-    check(natsOptions_SetUserInfo(opts, o.user.c_str(), o.password.c_str()), "user/password");
-  if (!o.token.empty()) check(natsOptions_SetToken(opts, o.token.c_str()), "token");
-  if (!o.nkey_public.empty() || !o.nkey_seed_file.empty())
-    check(natsOptions_SetNKeyFromSeed(opts, o.nkey_public.c_str(), o.nkey_seed_file.c_str()),
-          "NKey");
-  if (!o.creds_file.empty())
-    check(natsOptions_SetUserCredentialsFromFiles(opts, o.creds_file.c_str(), nullptr),
-          "credentials file");
-  if (!o.tls_ca_file.empty() || !o.tls_cert_file.empty() || !o.tls_key_file.empty()) {
-    check(natsOptions_SetSecure(opts, true), "TLS");
-    if (!o.tls_ca_file.empty())
-      check(natsOptions_LoadCATrustedCertificates(opts, o.tls_ca_file.c_str()), "TLS CA file");
-    if (!o.tls_cert_file.empty() || !o.tls_key_file.empty())
-      check(
-          natsOptions_LoadCertificatesChain(opts, o.tls_cert_file.c_str(), o.tls_key_file.c_str()),
-          "TLS certificate/key");
-  }
-  if (!o.connection_name.empty())
-    check(natsOptions_SetName(opts, o.connection_name.c_str()), "name");
-  check(natsOptions_SetTimeout(opts, o.connect_timeout.count()), "connect_timeout");
-  check(natsOptions_SetReconnectWait(opts, o.reconnect_wait.count()), "reconnect_wait");
-  check(natsOptions_SetMaxReconnect(opts, o.max_reconnect), "max_reconnect");
-  check(natsOptions_SetAllowReconnect(opts, true), "reconnect");
-  // Without it every publish waits for cnats' flusher, about a millisecond.
-  check(natsOptions_SetSendAsap(opts, true), "send_asap");
-  // One pool of delivery threads instead of a thread per subscription.
-  check(natsOptions_UseGlobalMessageDelivery(opts, true), "message delivery");
+  NatsOptionsPtr opts = nats_options(o);
   // The socket is polled by the loop through ferry's driver (see nats_adapter.hpp). The
   // connect below attaches it from here, the loop thread, so it is polled at once.
   driver_ = std::make_unique<NatsSocketDriver>(loop.uv(), loop.log());
-  check(driver_->install(opts), "event loop");
+  if (natsStatus s = driver_->install(opts.get()); s != NATS_OK)
+    throw Error(ErrorCode::SideChannel, "event loop: " + status_text(s));
   auto* events = new EventClosure{state_, loop.poster()};
-  natsOptions_SetDisconnectedCB(opts, on_disconnected, events);
-  natsOptions_SetReconnectedCB(opts, on_reconnected, events);
-  natsOptions_SetClosedCB(opts, on_closed, events);
-  natsOptions_SetErrorHandler(opts, on_error, events);
+  natsOptions_SetDisconnectedCB(opts.get(), on_disconnected, events);
+  natsOptions_SetReconnectedCB(opts.get(), on_reconnected, events);
+  natsOptions_SetClosedCB(opts.get(), on_closed, events);
+  natsOptions_SetErrorHandler(opts.get(), on_error, events);
 
   natsConnection* nc = nullptr;
-  natsStatus s = natsConnection_Connect(&nc, opts);
-  if (s != NATS_OK) {
+  try {
+    nc = nats_connect(opts.get(), o.servers);
+  } catch (...) {
     delete events;  // a failed connect calls back nothing
-    std::string where;
-    for (const auto& u : o.servers) where += (where.empty() ? "" : ", ") + u;
-    std::string why = status_text(s);
-    if (s == NATS_CONNECTION_AUTH_FAILED || why.find("uthorization") != std::string::npos)
-      throw Error(ErrorCode::AccessDenied,
-                  "the NATS server at " + where + " refused the credentials: " + why);
-    throw Error(ErrorCode::SideChannel, "cannot connect to NATS at " + where + ": " + why);
+    throw;
   }
   wire_->nc = nc;
   closer_ = loop::Async::async(
