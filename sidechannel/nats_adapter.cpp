@@ -6,10 +6,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "loop/uv_handle.hpp"
 
@@ -37,6 +38,7 @@ void on_watch_closed(uv_handle_t* handle) {
 
 struct NatsSocketDriver::Core {
   uv_loop_t* loop = nullptr;
+  loop::Log log;
   // Wakes the loop for changes made on other threads. Sent under mu only, and closed under
   // it by shutdown(), so that no thread sends to a closed handle.
   uv_async_t* wake = nullptr;
@@ -61,7 +63,7 @@ struct NatsSocketDriver::Core {
   Watch* watch = nullptr;
 
   // Makes libuv do what cnats asked for. Loop thread, mu held. False when the latest
-  // attachment could not be polled (the reason is printed).
+  // attachment could not be polled (the reason is logged).
   bool apply();
   // After a change (mu held): applies it at once on the loop thread, or wakes the loop.
   natsStatus changed();
@@ -96,7 +98,7 @@ bool NatsSocketDriver::Core::apply() {
     w->handle.data = w;
     fd = -1;
     if (int rc = uv_poll_init(loop, &w->handle, w->fd); rc != 0) {
-      std::fprintf(stderr, "ferry: cannot poll the NATS socket: %s\n", uv_strerror(rc));
+      log.error(std::string("nats: cannot poll the socket to the NATS server: ") + uv_strerror(rc));
       ::close(w->fd);
       delete w;
       return false;
@@ -109,7 +111,7 @@ bool NatsSocketDriver::Core::apply() {
   int rc = events != 0 ? uv_poll_start(&watch->handle, events, &Core::on_poll)
                        : uv_poll_stop(&watch->handle);
   if (rc != 0) {
-    std::fprintf(stderr, "ferry: cannot poll the NATS socket: %s\n", uv_strerror(rc));
+    log.error(std::string("nats: cannot poll the socket to the NATS server: ") + uv_strerror(rc));
     return false;
   }
   watch->events = events;
@@ -182,7 +184,8 @@ natsStatus NatsSocketDriver::Core::attach(void** user_data, void* loop, natsConn
   // is ferry's, whatever cnats later does with its own number.
   int dup = ::fcntl(socket, F_DUPFD_CLOEXEC, 0);
   if (dup < 0) {
-    std::fprintf(stderr, "ferry: cannot attach the NATS socket: %s\n", std::strerror(errno));
+    self->log.error(std::string("nats: cannot duplicate the socket to the NATS server: ") +
+                    std::strerror(errno));
     return NATS_SYS_ERROR;
   }
   std::lock_guard lock(self->mu);
@@ -228,8 +231,10 @@ natsStatus NatsSocketDriver::Core::detach(void* user_data) {
   return self->changed();
 }
 
-NatsSocketDriver::NatsSocketDriver(uv_loop_t* loop) : core_(std::make_unique<Core>()) {
+NatsSocketDriver::NatsSocketDriver(uv_loop_t* loop, loop::Log log)
+    : core_(std::make_unique<Core>()) {
   core_->loop = loop;
+  core_->log = std::move(log);
   core_->loop_thread.store(std::this_thread::get_id());
   core_->wake = new uv_async_t{};
   uv_async_init(loop, core_->wake, &Core::on_wake);

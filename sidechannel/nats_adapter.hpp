@@ -5,6 +5,8 @@
 
 #include <memory>
 
+#include "loop/log.hpp"
+
 namespace ferry::sidechannel {
 
 /// Drives one cnats connection's socket from a connector's libuv loop: ferry's own side of
@@ -38,8 +40,9 @@ namespace ferry::sidechannel {
 class NatsSocketDriver {
  public:
   /// On the thread that runs `loop` (or while it does not run); that thread is the loop
-  /// thread from then on, as seen by the driver's loop-side callbacks.
-  explicit NatsSocketDriver(uv_loop_t* loop);
+  /// thread from then on, as seen by the driver's loop-side callbacks. `log` hears of a socket
+  /// that cannot be polled.
+  NatsSocketDriver(uv_loop_t* loop, loop::Log log);
   /// Loop thread. Does what shutdown() does if it has not been called.
   ~NatsSocketDriver();
   NatsSocketDriver(const NatsSocketDriver&) = delete;

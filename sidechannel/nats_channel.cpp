@@ -1,23 +1,21 @@
 #include "sidechannel/nats_channel.hpp"
-#include "loop/ids.hpp"
-#include "loop/uv_handle.hpp"
-#include "sidechannel/nats_adapter.hpp"
 
-#include <fcntl.h>
 #include <nats/nats.h>
-#include <sys/random.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <cstdio>
-#include <deque>
-#include <list>
-#include <mutex>
-#include <thread>
+#include <chrono>
+#include <cstdlib>
 #include <unordered_map>
 #include <vector>
+
+#include <ferry/error.hpp>
+
+#include "loop/ids.hpp"
+#include "sidechannel/inbox.hpp"
+#include "sidechannel/nats_adapter.hpp"
+#include "sidechannel/nats_connect.hpp"
+#include "sidechannel/outbox.hpp"
 
 namespace ferry::sidechannel {
 
@@ -55,111 +53,29 @@ bool is_reply_inbox(std::string_view prefix, std::string_view subject) {
          n[0] != '0';
 }
 
-namespace {
-
-std::atomic<RandomSource> random_source{&::getrandom};
-
-// 64 random bits from /dev/urandom, or failing that from whatever differs between processes
-// and runs: for the fallback ids below, obtained once per process.
-std::uint64_t process_seed() {
-  std::uint64_t seed = 0;
-  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-  if (fd >= 0) {
-    if (::read(fd, &seed, sizeof seed) != static_cast<ssize_t>(sizeof seed)) seed = 0;
-    ::close(fd);
-  }
-  if (seed == 0) {
-    int local = 0;
-    seed = static_cast<std::uint64_t>(
-               std::chrono::high_resolution_clock::now().time_since_epoch().count()) ^
-           (static_cast<std::uint64_t>(::getpid()) << 32) ^
-           reinterpret_cast<std::uintptr_t>(&local) ^
-           std::hash<std::thread::id>{}(std::this_thread::get_id());
-  }
-  return seed;
-}
-
-// splitmix64's finalizer: a bijection of 64-bit values, so distinct counters give distinct
-// ids.
-std::uint64_t mix(std::uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
-
-// An id when the random source keeps failing: a process-wide counter mixed with a seed
-// obtained once. Unique within the process (no value repeats before 2^64 ids), but only as
-// hard to guess as the seed; said once on stderr.
-std::uint64_t fallback_id() {
-  static const std::uint64_t seed = process_seed();
-  static std::atomic<std::uint64_t> counter{0};
-  static std::once_flag warned;
-  std::call_once(warned, [] {
-    std::fprintf(stderr,
-                 "ferry: getrandom() keeps failing; NATS reply subjects use a counter mixed with "
-                 "a per-process seed instead\n");
-  });
-  return mix(seed + 0x9e3779b97f4a7c15ULL * ++counter);
-}
-
-std::string status_text(natsStatus s) {
-  std::string text = natsStatus_GetText(s);
-  // cnats keeps a more precise message (e.g. the server's -ERR) per thread, behind a
-  // "(file.c:line): " location that is no business of ours.
-  if (const char* last = nats_GetLastError(nullptr); last != nullptr && *last != '\0') {
-    std::string detail = last;
-    if (auto at = detail.rfind("): "); at != std::string::npos) detail.erase(0, at + 3);
-    if (!detail.empty() && detail != text) text += ": " + detail;
-  }
-  return text;
-}
-
-void check(natsStatus s, const char* what) {
-  if (s != NATS_OK) throw Error(ErrorCode::SideChannel, std::string(what) + ": " + status_text(s));
-}
-
-}  // namespace
-
-RandomSource set_random_source_for_testing(RandomSource source) {
-  return random_source.exchange(source != nullptr ? source : &::getrandom);
-}
-
 // Loop-side state. Shared with cnats callbacks through weak references, so that a message
 // that arrives while the channel closes finds nothing instead of a dangling pointer.
 struct NatsChannel::State {
-  using Clock = std::chrono::steady_clock;
+  using Clock = Inbox::Clock;
+
+  State(EventLoop& loop, const NatsOptions& o, const std::string& client_id)
+      : poster(loop.poster()),
+        prefix(o.prefix.empty() ? "ferry" : o.prefix),
+        inbox(prefix + ".inbox." + client_id, kMaxOpenRequests, loop.log()),
+        on_event(o.on_event),
+        request_timeout(o.request_timeout) {
+    if (auto why = subject_problem(inbox.subject()); !why.empty())
+      throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + prefix + "' " + why);
+  }
 
   EventLoop::Poster poster;
   std::string prefix;
-  std::string inbox;  // "<prefix>.inbox.<client id>"
+  // Loop thread only, as everything below but max_payload.
+  Inbox inbox;  // "<prefix>.inbox.<client id>": open requests, awaited confirmations
   std::function<void(SideChannelEvent, const std::string&)> on_event;
   std::chrono::milliseconds request_timeout{1000};
   NatsChannel* owner = nullptr;  // null once the channel is closing
-
-  // Loop thread only.
   std::unordered_map<std::uint64_t, MessageHandler> subs;
-  // Keyed by random ids: the reply subjects are visible on the wire, and an answer to a
-  // request must not be forgeable by guessing the next one. `order` lists them oldest first,
-  // for the cap (kMaxOpenRequests).
-  struct OpenRequest {
-    MessageHandler handler;
-    std::list<std::uint64_t>::iterator in_order;
-  };
-  std::unordered_map<std::uint64_t, OpenRequest> requests;
-  std::list<std::uint64_t> order;
-  bool noted_cap = false;
-  // A subscription waiting for its confirmation (see subscribe()).
-  struct Confirm {
-    Registered done;
-    std::string subject;  // the one subscribed to, for errors
-    std::string inbox;    // where the confirmation goes: "<inbox>.c<id>"
-    std::uint64_t sub = 0;
-    Clock::time_point deadline;
-  };
-  std::unordered_map<std::uint64_t, Confirm> confirms;
   std::uint64_t next_sub = 1;
   // As the connection's events tell (loop side).
   bool connected = true;
@@ -172,25 +88,6 @@ struct NatsChannel::State {
     if (it == subs.end()) return;
     // Copy: the handler may unsubscribe itself.
     MessageHandler handler = it->second;
-    handler(m);
-  }
-  void answer(const Message& m) {
-    // Inbox subjects end in "r<id>" (an answer to a request) or "c<id>" (a subscription
-    // confirmed: see subscribe()), the id in hex.
-    auto dot = m.subject.rfind('.');
-    if (dot == std::string::npos || dot + 2 > m.subject.size()) return;
-    const char kind = m.subject[dot + 1];
-    std::uint64_t id = std::strtoull(m.subject.c_str() + dot + 2, nullptr, 16);
-    if (kind == 'c') {
-      if (Registered done = take_confirm(id)) done({});
-      return;
-    }
-    if (kind != 'r') return;
-    auto it = requests.find(id);
-    if (it == requests.end()) return;  // answered already, cancelled or dropped
-    MessageHandler handler = std::move(it->second.handler);
-    order.erase(it->second.in_order);
-    requests.erase(it);
     handler(m);
   }
   void on_connection_event(SideChannelEvent event, const std::string& detail,
@@ -214,99 +111,21 @@ struct NatsChannel::State {
     }
     if (on_event) on_event(event, detail);
   }
-  Registered take_confirm(std::uint64_t id) {
-    auto it = confirms.find(id);
-    if (it == confirms.end()) return {};
-    Registered done = std::move(it->second.done);
-    confirms.erase(it);
-    return done;
-  }
-  void add_request(std::uint64_t id, MessageHandler handler) {
-    if (requests.size() >= kMaxOpenRequests) {
-      // The oldest is the likeliest to have been forgotten by its caller; a caller that
-      // still waits asks again (the connector does every request_timeout).
-      requests.erase(order.front());
-      order.pop_front();
-      if (!noted_cap) {
-        noted_cap = true;
-        std::fprintf(stderr,
-                     "ferry: more than %zu NATS requests are open; dropping the oldest "
-                     "unanswered ones (does a subscriber hold a subject without answering?)\n",
-                     kMaxOpenRequests);
-      }
-    }
-    order.push_back(id);
-    requests.emplace(id, OpenRequest{std::move(handler), std::prev(order.end())});
-  }
-  void drop_request(std::uint64_t id) {
-    auto it = requests.find(id);
-    if (it == requests.end()) return;
-    order.erase(it->second.in_order);
-    requests.erase(it);
-  }
-  // A fresh non-zero id that `taken` does not know. getrandom is tried a few times (it fails
-  // when interrupted, or where a kernel or a seccomp filter refuses it); then the
-  // counter-based fallback, whose ids never repeat, so the loop ends within taken's size + 1
-  // turns.
-  template <class Taken>
-  static std::uint64_t random_id(const Taken& taken) {
-    for (int attempt = 0; attempt < 4; ++attempt) {
-      std::uint64_t id = 0;
-      if (random_source.load()(&id, sizeof id, 0) == static_cast<ssize_t>(sizeof id) && id != 0 &&
-          !taken(id))
-        return id;
-    }
-    for (;;)
-      if (std::uint64_t id = fallback_id(); id != 0 && !taken(id)) return id;
+  // The channel is closing: handlers die first, so that messages still arriving find
+  // nothing.
+  void forget() noexcept {
+    owner = nullptr;
+    subs.clear();
+    inbox.clear();
   }
 };
 
-// cnats calls made off the loop, in order (see the class comment).
-struct NatsChannel::Outbox {
+// cnats' connection, set by the constructor, and the subscriptions made on it, which belong to
+// the outbox's thread.
+struct NatsChannel::Wire {
   natsConnection* nc = nullptr;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> tasks;                    // guarded by mu
-  bool stopping = false;                                      // guarded by mu
-  std::unordered_map<std::uint64_t, natsSubscription*> subs;  // worker thread only
-  std::vector<natsSubscription*> draining;                    // worker thread only
-  std::thread thread;
-
-  void start() {
-    thread = std::thread([this] {
-      for (;;) {
-        std::function<void()> task;
-        {
-          std::unique_lock lock(mu);
-          cv.wait(lock, [&] { return stopping || !tasks.empty(); });
-          if (tasks.empty()) return;  // stopping, and everything queued has run
-          task = std::move(tasks.front());
-          tasks.pop_front();
-        }
-        task();
-      }
-    });
-  }
-  void push(std::function<void()> task) {
-    {
-      std::lock_guard lock(mu);
-      if (stopping) return;
-      tasks.push_back(std::move(task));
-    }
-    cv.notify_one();
-  }
-  // No more tasks; the thread runs what is queued, then ends.
-  void finish_queue() {
-    {
-      std::lock_guard lock(mu);
-      stopping = true;
-    }
-    cv.notify_one();
-  }
-  void stop() {
-    finish_queue();
-    if (thread.joinable()) thread.join();
-  }
+  std::unordered_map<std::uint64_t, natsSubscription*> subs;
+  std::vector<natsSubscription*> draining;
 };
 
 namespace {
@@ -317,32 +136,39 @@ struct SubClosure {
   EventLoop::Poster poster;
   std::uint64_t id = 0;
   bool inbox = false;
-  // serve(): answered here, on the delivery thread (both fixed before the subscription).
+  // serve(): answered here, on the delivery thread (all three fixed before the subscription).
   NatsChannel::Answer direct;
   std::string prefix;
+  loop::Log log;
 };
+
+// A request to a served subject, answered at once from cnats' delivery thread. Anything else
+// sent there (no reply subject, or one that is not a request() inbox) goes unanswered.
+void answer_directly(natsConnection* nc, natsMsg* msg, const SubClosure& c) {
+  const char* reply = natsMsg_GetReply(msg);
+  if (reply == nullptr || !is_reply_inbox(c.prefix, reply)) return;
+  const char* data = natsMsg_GetData(msg);
+  const std::string request(data != nullptr ? data : "",
+                            static_cast<std::size_t>(natsMsg_GetDataLength(msg)));
+  std::string answer;
+  try {
+    answer = c.direct(request);
+  } catch (const std::exception& e) {
+    c.log.error(std::string("nats: answering a request at '") + natsMsg_GetSubject(msg) +
+                "' failed: " + e.what());
+  }
+  if (answer.empty()) return;
+  if (natsStatus s =
+          natsConnection_Publish(nc, reply, answer.data(), static_cast<int>(answer.size()));
+      s != NATS_OK)
+    c.log.warning(std::string("nats: publishing the answer to a request at '") +
+                  natsMsg_GetSubject(msg) + "' failed: " + status_text(s));
+}
 
 void on_message(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closure) {
   auto* c = static_cast<SubClosure*>(closure);
   if (c->direct) {
-    // A request to a served subject: answered at once, from this thread. Anything else sent
-    // there (no reply subject, or one that is not a request() inbox) goes unanswered.
-    const char* reply = natsMsg_GetReply(msg);
-    if (reply != nullptr && is_reply_inbox(c->prefix, reply)) {
-      const char* data = natsMsg_GetData(msg);
-      const std::string request(data != nullptr ? data : "",
-                                static_cast<std::size_t>(natsMsg_GetDataLength(msg)));
-      std::string answer;
-      try {
-        answer = c->direct(request);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "ferry: answering a request at %s: %s\n", natsMsg_GetSubject(msg),
-                     e.what());
-      }
-      if (!answer.empty() && natsConnection_Publish(nc, reply, answer.data(),
-                                                    static_cast<int>(answer.size())) != NATS_OK)
-        std::fprintf(stderr, "ferry: NATS publish to %s failed\n", reply);
-    }
+    answer_directly(nc, msg, *c);
     natsMsg_Destroy(msg);
     return;
   }
@@ -357,7 +183,7 @@ void on_message(natsConnection* nc, natsSubscription*, natsMsg* msg, void* closu
     auto s = state.lock();
     if (!s) return;
     if (inbox)
-      s->answer(m);
+      s->inbox.deliver(m);
     else
       s->deliver(id, m);
   });
@@ -413,75 +239,40 @@ void on_error(natsConnection*, natsSubscription*, natsStatus err, void* closure)
 }  // namespace
 
 NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string client_id)
-    : loop_(loop), state_(std::make_shared<State>()), outbox_(std::make_unique<Outbox>()) {
-  state_->poster = loop.poster();
-  state_->prefix = o.prefix.empty() ? "ferry" : o.prefix;
-  state_->inbox = state_->prefix + ".inbox." + client_id;
-  state_->on_event = o.on_event;
-  state_->request_timeout = o.request_timeout;
-  if (auto why = subject_problem(state_->inbox); !why.empty())
-    throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + state_->prefix + "' " + why);
+    : loop_(loop),
+      log_(loop.log()),
+      state_(std::make_shared<State>(loop, o, client_id)),
+      driver_(std::make_unique<NatsSocketDriver>(loop.uv(), loop.log())),
+      outbox_(std::make_unique<Outbox>()),
+      wire_(std::make_unique<Wire>()) {
+  connect(o);
+  make_handles();
+  learn_connection();
+  state_->owner = this;
+  // Answers to this connector's requests and confirmations arrive at "<inbox>.*".
+  inbox_sub_ = subscribe(state_->inbox.subject() + ".*", {}, nullptr);
+}
 
-  natsOptions* opts = nullptr;
-  check(natsOptions_Create(&opts), "natsOptions_Create");
-  std::unique_ptr<natsOptions, void (*)(natsOptions*)> guard(opts, natsOptions_Destroy);
-  std::vector<const char*> urls;
-  for (const auto& u : o.servers) urls.push_back(u.c_str());
-  check(natsOptions_SetServers(opts, urls.data(), static_cast<int>(urls.size())), "servers");
-  check(natsOptions_SetNoRandomize(opts, true), "servers");
-  if (!o.user.empty() || !o.password.empty())
-    check(natsOptions_SetUserInfo(opts, o.user.c_str(), o.password.c_str()), "user/password");
-  if (!o.token.empty()) check(natsOptions_SetToken(opts, o.token.c_str()), "token");
-  if (!o.nkey_public.empty() || !o.nkey_seed_file.empty())
-    check(natsOptions_SetNKeyFromSeed(opts, o.nkey_public.c_str(), o.nkey_seed_file.c_str()),
-          "NKey");
-  if (!o.creds_file.empty())
-    check(natsOptions_SetUserCredentialsFromFiles(opts, o.creds_file.c_str(), nullptr),
-          "credentials file");
-  if (!o.tls_ca_file.empty() || !o.tls_cert_file.empty() || !o.tls_key_file.empty()) {
-    check(natsOptions_SetSecure(opts, true), "TLS");
-    if (!o.tls_ca_file.empty())
-      check(natsOptions_LoadCATrustedCertificates(opts, o.tls_ca_file.c_str()), "TLS CA file");
-    if (!o.tls_cert_file.empty() || !o.tls_key_file.empty())
-      check(
-          natsOptions_LoadCertificatesChain(opts, o.tls_cert_file.c_str(), o.tls_key_file.c_str()),
-          "TLS certificate/key");
-  }
-  if (!o.connection_name.empty())
-    check(natsOptions_SetName(opts, o.connection_name.c_str()), "name");
-  check(natsOptions_SetTimeout(opts, o.connect_timeout.count()), "connect_timeout");
-  check(natsOptions_SetReconnectWait(opts, o.reconnect_wait.count()), "reconnect_wait");
-  check(natsOptions_SetMaxReconnect(opts, o.max_reconnect), "max_reconnect");
-  check(natsOptions_SetAllowReconnect(opts, true), "reconnect");
-  // Without it every publish waits for cnats' flusher, about a millisecond.
-  check(natsOptions_SetSendAsap(opts, true), "send_asap");
-  // One pool of delivery threads instead of a thread per subscription.
-  check(natsOptions_UseGlobalMessageDelivery(opts, true), "message delivery");
+void NatsChannel::connect(const NatsOptions& o) {
+  NatsOptionsPtr opts = nats_options(o);
   // The socket is polled by the loop through ferry's driver (see nats_adapter.hpp). The
   // connect below attaches it from here, the loop thread, so it is polled at once.
-  driver_ = std::make_unique<NatsSocketDriver>(loop.uv());
-  check(driver_->install(opts), "event loop");
-  auto* events = new EventClosure{state_, loop.poster()};
-  natsOptions_SetDisconnectedCB(opts, on_disconnected, events);
-  natsOptions_SetReconnectedCB(opts, on_reconnected, events);
-  natsOptions_SetClosedCB(opts, on_closed, events);
-  natsOptions_SetErrorHandler(opts, on_error, events);
+  if (natsStatus s = driver_->install(opts.get()); s != NATS_OK)
+    throw Error(ErrorCode::SideChannel, "event loop: " + status_text(s));
+  auto events = std::make_unique<EventClosure>(EventClosure{state_, loop_.poster()});
+  natsOptions_SetDisconnectedCB(opts.get(), on_disconnected, events.get());
+  natsOptions_SetReconnectedCB(opts.get(), on_reconnected, events.get());
+  natsOptions_SetClosedCB(opts.get(), on_closed, events.get());
+  natsOptions_SetErrorHandler(opts.get(), on_error, events.get());
+  wire_->nc = nats_connect(opts.get(), o.servers);
+  // From now on cnats' (on_closed frees it); a failed connect calls back nothing, and
+  // `events` frees it then.
+  static_cast<void>(events.release());
+}
 
-  natsConnection* nc = nullptr;
-  natsStatus s = natsConnection_Connect(&nc, opts);
-  if (s != NATS_OK) {
-    delete events;  // a failed connect calls back nothing
-    std::string where;
-    for (const auto& u : o.servers) where += (where.empty() ? "" : ", ") + u;
-    std::string why = status_text(s);
-    if (s == NATS_CONNECTION_AUTH_FAILED || why.find("uthorization") != std::string::npos)
-      throw Error(ErrorCode::AccessDenied,
-                  "the NATS server at " + where + " refused the credentials: " + why);
-    throw Error(ErrorCode::SideChannel, "cannot connect to NATS at " + where + ": " + why);
-  }
-  outbox_->nc = nc;
+void NatsChannel::make_handles() {
   closer_ = loop::Async::async(
-      loop.uv(),
+      loop_.uv(),
       [](uv_async_t* h) {
         auto* self = static_cast<NatsChannel*>(h->data);
         uv_timer_start(
@@ -489,65 +280,53 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
             0, 0);
       },
       this);
-  finisher_ = loop::Timer::timer(loop.uv(), this);
-  confirm_timer_ = loop::Timer::timer(loop.uv(), this);
+  finisher_ = loop::Timer::timer(loop_.uv(), this);
+  confirm_timer_ = loop::Timer::timer(loop_.uv(), this);
   // Only a close in progress keeps the loop alive (close() refs the first two).
   uv_unref(reinterpret_cast<uv_handle_t*>(closer_.get()));
   uv_unref(reinterpret_cast<uv_handle_t*>(finisher_.get()));
   uv_unref(reinterpret_cast<uv_handle_t*>(confirm_timer_.get()));
-  state_->owner = this;
-  state_->max_payload = natsConnection_GetMaxPayload(nc);
+}
+
+void NatsChannel::learn_connection() {
+  state_->max_payload = natsConnection_GetMaxPayload(wire_->nc);
   char* ip = nullptr;
   int port = 0;
-  if (natsConnection_GetLocalIPAndPort(nc, &ip, &port) == NATS_OK && ip != nullptr) {
+  if (natsConnection_GetLocalIPAndPort(wire_->nc, &ip, &port) == NATS_OK && ip != nullptr) {
     local_ip_ = ip;
     free(ip);  // allocated by cnats
   }
-  outbox_->start();
-
-  // Answers to this connector's requests arrive at "<inbox>.<n>".
-  inbox_sub_ = subscribe(state_->inbox + ".*", {}, nullptr);
 }
 
 NatsChannel::~NatsChannel() {
-  // Handlers die first, so that messages arriving during the close find nothing.
-  state_->owner = nullptr;
-  state_->subs.clear();
-  state_->requests.clear();
-  state_->order.clear();
-  state_->confirms.clear();
+  state_->forget();
   state_.reset();
-  natsConnection* nc = outbox_->nc;
   outbox_->stop();
   // On the loop thread: the driver applies cnats' stop-polling and detach at once here.
   // Once Close has returned (it joins cnats' reconnect thread), cnats calls the driver no
   // more, and the driver closes what it still holds.
-  natsConnection_Close(nc);
+  natsConnection_Close(wire_->nc);
   driver_->shutdown();
-  for (auto& [id, sub] : outbox_->subs) natsSubscription_Destroy(sub);
-  for (natsSubscription* sub : outbox_->draining) natsSubscription_Destroy(sub);
-  natsConnection_Destroy(nc);
+  for (auto& [id, sub] : wire_->subs) natsSubscription_Destroy(sub);
+  for (natsSubscription* sub : wire_->draining) natsSubscription_Destroy(sub);
+  natsConnection_Destroy(wire_->nc);
   // closer_, finisher_ and confirm_timer_ close themselves.
 }
 
 void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
   NatsChannel* self = channel.release();
   self->closing_ = true;
-  self->state_->owner = nullptr;
-  self->state_->subs.clear();
-  self->state_->requests.clear();
-  self->state_->order.clear();
-  self->state_->confirms.clear();
+  self->state_->forget();
   uv_timer_stop(self->confirm_timer_.get());
   uv_ref(reinterpret_cast<uv_handle_t*>(self->closer_.get()));
   uv_ref(reinterpret_cast<uv_handle_t*>(self->finisher_.get()));
   // The flush runs on the worker while the loop, free, writes what cnats buffered and reads
   // the PONG; then the worker wakes the loop to finish.
   self->outbox_->push([self] {
-    natsConnection_FlushTimeout(self->outbox_->nc, 500);
+    natsConnection_FlushTimeout(self->wire_->nc, 500);
     uv_async_send(self->closer_.get());
   });
-  self->outbox_->finish_queue();
+  self->outbox_->finish();
 }
 
 std::string NatsChannel::own_subject(std::string_view suffix) const {
@@ -571,30 +350,26 @@ std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std:
     if (registered) registered(closing_ ? "the side channel is closing" : "subject " + why);
     return id;
   }
-  if (handler) state_->subs.emplace(id, std::move(handler));
   std::string confirm;
   std::uint64_t confirm_id = 0;
   if (registered) {
-    confirm_id =
-        State::random_id([this](std::uint64_t c) { return state_->confirms.count(c) != 0; });
-    char token[24];
-    std::snprintf(token, sizeof token, ".c%llx", static_cast<unsigned long long>(confirm_id));
-    confirm = state_->inbox + token;
-    state_->confirms.emplace(confirm_id,
-                             State::Confirm{std::move(registered), subject, confirm, id,
-                                            State::Clock::now() + state_->request_timeout});
+    // First: drawing its id may throw, and then nothing has changed.
+    confirm_id = state_->inbox.await_confirm(std::move(registered), subject, id,
+                                             State::Clock::now() + state_->request_timeout);
+    confirm = state_->inbox.confirm_subject(confirm_id);
     arm_confirm_timer();
   }
+  if (handler) state_->subs.emplace(id, std::move(handler));
   auto* closure =
-      new SubClosure{state_, loop_.poster(), id, inbox, std::move(direct), state_->prefix};
+      new SubClosure{state_, loop_.poster(), id, inbox, std::move(direct), state_->prefix, log_};
   auto poster = loop_.poster();
   std::weak_ptr<State> weak = state_;
   outbox_->push([this, id, subject, queue, closure, confirm, confirm_id, poster, weak] {
     natsSubscription* sub = nullptr;
     natsStatus s =
         queue.empty()
-            ? natsConnection_Subscribe(&sub, outbox_->nc, subject.c_str(), on_message, closure)
-            : natsConnection_QueueSubscribe(&sub, outbox_->nc, subject.c_str(), queue.c_str(),
+            ? natsConnection_Subscribe(&sub, wire_->nc, subject.c_str(), on_message, closure)
+            : natsConnection_QueueSubscribe(&sub, wire_->nc, subject.c_str(), queue.c_str(),
                                             on_message, closure);
     if (s != NATS_OK) {
       delete closure;
@@ -603,15 +378,15 @@ std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std:
       if (!confirm.empty())
         poster.post([weak, confirm_id, why] {
           if (auto st = weak.lock())
-            if (Registered done = st->take_confirm(confirm_id)) done(why);
+            if (Registered done = st->inbox.take_confirm(confirm_id)) done(why);
         });
       return;
     }
     natsSubscription_SetOnCompleteCB(sub, on_sub_complete, closure);
-    outbox_->subs[id] = sub;
+    wire_->subs[id] = sub;
     // Behind the SUB on the same connection: when this comes back to our inbox, the server
     // has the subscription.
-    if (!confirm.empty()) natsConnection_Publish(outbox_->nc, confirm.c_str(), nullptr, 0);
+    if (!confirm.empty()) natsConnection_Publish(wire_->nc, confirm.c_str(), nullptr, 0);
   });
   return id;
 }
@@ -619,15 +394,10 @@ std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std:
 void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
   // A confirmation still awaited would otherwise wait for a subscription that is gone. Told
   // after the current callback: the caller may be in the middle of ending what waits.
-  for (auto it = state_->confirms.begin(); it != state_->confirms.end(); ++it) {
-    if (it->second.sub != id) continue;
-    Registered done = std::move(it->second.done);
-    state_->confirms.erase(it);
+  if (Registered done = state_->inbox.take_confirm_of(id))
     loop_.defer([done = std::move(done)] {
       done("unsubscribed before the NATS server confirmed the subscription");
     });
-    break;
-  }
   const bool drain = !last_words.empty() && !closing_;
   if (!drain) {
     state_->subs.erase(id);
@@ -642,13 +412,13 @@ void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
   }
   outbox_->push([this, id, drain, poster = loop_.poster(), weak = std::weak_ptr<State>(state_)] {
     // Drained subscriptions are destroyed once cnats has closed them.
-    std::erase_if(outbox_->draining, [](natsSubscription* sub) {
+    std::erase_if(wire_->draining, [](natsSubscription* sub) {
       if (natsSubscription_IsValid(sub)) return false;
       natsSubscription_Destroy(sub);
       return true;
     });
-    auto it = outbox_->subs.find(id);
-    if (it == outbox_->subs.end()) {
+    auto it = wire_->subs.find(id);
+    if (it == wire_->subs.end()) {
       // Never subscribed (cnats refused it): no drain will end the kept handler.
       if (drain)
         poster.post([weak, id] {
@@ -657,12 +427,12 @@ void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
       return;
     }
     if (drain && natsSubscription_Drain(it->second) == NATS_OK) {
-      outbox_->draining.push_back(it->second);
+      wire_->draining.push_back(it->second);
     } else {
       natsSubscription_Unsubscribe(it->second);
       natsSubscription_Destroy(it->second);
     }
-    outbox_->subs.erase(it);
+    wire_->subs.erase(it);
   });
 }
 
@@ -671,38 +441,35 @@ void NatsChannel::publish(const std::string& subject, std::string data, const st
   if (auto why = subject_problem(subject);
       closing_ || !why.empty() || (!reply.empty() && !subject_problem(reply).empty())) {
     if (!closing_)
-      std::fprintf(stderr, "ferry: not publishing to '%s': subject %s\n", subject.c_str(),
-                   why.empty() ? "has a bad reply subject" : why.c_str());
+      log_.warning("nats: not publishing to '" + subject + "': subject " +
+                   (why.empty() ? "has a bad reply subject" : why));
     return;
   }
   outbox_->push([this, subject, data = std::move(data), reply] {
     natsStatus s = reply.empty()
-                       ? natsConnection_Publish(outbox_->nc, subject.c_str(), data.data(),
+                       ? natsConnection_Publish(wire_->nc, subject.c_str(), data.data(),
                                                 static_cast<int>(data.size()))
-                       : natsConnection_PublishRequest(outbox_->nc, subject.c_str(), reply.c_str(),
+                       : natsConnection_PublishRequest(wire_->nc, subject.c_str(), reply.c_str(),
                                                        data.data(), static_cast<int>(data.size()));
     if (s != NATS_OK)
-      std::fprintf(stderr, "ferry: NATS publish to %s failed: %s\n", subject.c_str(),
-                   natsStatus_GetText(s));
+      log_.warning("nats: publishing to '" + subject + "' failed: " + status_text(s));
   });
 }
 
 std::uint64_t NatsChannel::request(const std::string& subject, std::string data,
                                    MessageHandler handler) {
-  const std::uint64_t id =
-      State::random_id([this](std::uint64_t r) { return state_->requests.count(r) != 0; });
-  state_->add_request(id, std::move(handler));
-  char token[24];
-  std::snprintf(token, sizeof token, ".r%llx", static_cast<unsigned long long>(id));
-  publish(subject, std::move(data), state_->inbox + token);
+  const std::uint64_t id = state_->inbox.open_request(std::move(handler));
+  publish(subject, std::move(data), state_->inbox.request_subject(id));
   return id;
 }
 
-void NatsChannel::cancel_request(std::uint64_t id) { state_->drop_request(id); }
+void NatsChannel::cancel_request(std::uint64_t id) { state_->inbox.drop_request(id); }
 
-std::size_t NatsChannel::open_requests() const noexcept { return state_->requests.size(); }
+std::size_t NatsChannel::open_requests() const noexcept { return state_->inbox.open_requests(); }
 
-std::size_t NatsChannel::pending_confirmations() const noexcept { return state_->confirms.size(); }
+std::size_t NatsChannel::pending_confirmations() const noexcept {
+  return state_->inbox.pending_confirmations();
+}
 
 void NatsChannel::respond(const Message& request, std::string data) {
   if (request.reply.empty() || closing_) return;
@@ -714,14 +481,14 @@ void NatsChannel::respond(const Message& request, std::string data) {
 }
 
 void NatsChannel::note_refused_reply(const Message& request) {
-  // At most one line every 10 s: the requester controls how often this happens.
+  // At most one note every 10 s: the requester controls how often this happens.
   const auto now = std::chrono::steady_clock::now();
   if (refused_noted_ != std::chrono::steady_clock::time_point{} &&
       now - refused_noted_ < std::chrono::seconds(10)) {
     ++refused_unnoted_;
     return;
   }
-  // Subjects come from the network: print them only when they hold nothing but printable
+  // Subjects come from the network: show them only when they hold nothing but printable
   // characters (subject_problem refuses control characters), and not too much of them.
   auto printable = [](const std::string& subject) {
     if (!subject_problem(subject).empty()) return std::string("<malformed>");
@@ -730,44 +497,35 @@ void NatsChannel::note_refused_reply(const Message& request) {
   std::string also;
   if (refused_unnoted_ > 0)
     also = " (and " + std::to_string(refused_unnoted_) + " more since the last note)";
-  std::fprintf(stderr,
-               "ferry: not answering a request at '%s': its reply subject '%s' is not a ferry "
-               "reply inbox%s\n",
-               printable(request.subject).c_str(), printable(request.reply).c_str(), also.c_str());
+  log_.warning("nats: not answering a request at '" + printable(request.subject) +
+               "': its reply subject '" + printable(request.reply) +
+               "' is not a ferry reply inbox" + also);
   refused_noted_ = now;
   refused_unnoted_ = 0;
 }
 
 void NatsChannel::arm_confirm_timer() {
-  if (closing_ || state_->confirms.empty() || !state_->connected) {
+  const auto earliest = state_->inbox.earliest_deadline();
+  if (closing_ || !earliest || !state_->connected) {
     uv_timer_stop(confirm_timer_.get());
     return;
   }
-  auto earliest = State::Clock::time_point::max();
-  for (const auto& [id, c] : state_->confirms) earliest = std::min(earliest, c.deadline);
-  auto wait = std::chrono::ceil<std::chrono::milliseconds>(earliest - State::Clock::now());
+  auto wait = std::chrono::ceil<std::chrono::milliseconds>(*earliest - State::Clock::now());
   uv_timer_start(
       confirm_timer_.get(),
-      [](uv_timer_t* t) { static_cast<NatsChannel*>(t->data)->expire_confirms(); },
+      [](uv_timer_t* t) {
+        auto* self = static_cast<NatsChannel*>(t->data);
+        // The waiters are the caller's callbacks: none may unwind through libuv.
+        loop::guarded(self->log_, "nats: subscription confirmation deadline",
+                      [self] { self->expire_confirms(); });
+      },
       static_cast<std::uint64_t>(std::max<std::int64_t>(wait.count(), 0)), 0);
 }
 
 void NatsChannel::expire_confirms() {
   // While the connection is down the deadlines wait; reconfirm() starts them over.
   if (closing_ || !state_->connected) return;
-  const auto now = State::Clock::now();
-  std::vector<std::pair<Registered, std::string>> expired;
-  for (auto it = state_->confirms.begin(); it != state_->confirms.end();) {
-    if (it->second.deadline > now) {
-      ++it;
-      continue;
-    }
-    expired.emplace_back(std::move(it->second.done),
-                         "the NATS server did not confirm the subscription to '" +
-                             it->second.subject + "' within " +
-                             std::to_string(state_->request_timeout.count()) + " ms");
-    it = state_->confirms.erase(it);
-  }
+  auto expired = state_->inbox.take_expired(State::Clock::now(), state_->request_timeout);
   arm_confirm_timer();
   // Last: a callback may subscribe or unsubscribe.
   for (auto& [done, why] : expired) done(why);
@@ -778,20 +536,16 @@ void NatsChannel::reconfirm() {
   // has sent every SUB again before it reports the reconnect; a new confirmation behind
   // them comes back once they are in place.
   if (closing_) return;
-  const auto deadline = State::Clock::now() + state_->request_timeout;
-  for (auto& [id, c] : state_->confirms) {
-    c.deadline = deadline;
-    outbox_->push([this, inbox = c.inbox] {
-      natsConnection_Publish(outbox_->nc, inbox.c_str(), nullptr, 0);
+  for (std::string& confirm :
+       state_->inbox.restart_confirms(State::Clock::now() + state_->request_timeout))
+    outbox_->push([this, confirm = std::move(confirm)] {
+      natsConnection_Publish(wire_->nc, confirm.c_str(), nullptr, 0);
     });
-  }
   arm_confirm_timer();
 }
 
 void NatsChannel::fail_confirms(const std::string& why) {
-  std::vector<Registered> failed;
-  for (auto& [id, c] : state_->confirms) failed.push_back(std::move(c.done));
-  state_->confirms.clear();
+  std::vector<Registered> failed = state_->inbox.take_all_confirms();
   uv_timer_stop(confirm_timer_.get());
   for (auto& done : failed) done(why);
 }

@@ -1,7 +1,5 @@
 #pragma once
 
-#include <sys/types.h>
-
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -10,23 +8,15 @@
 #include <string>
 #include <string_view>
 
-#include <ferry/connector.hpp>
+#include <ferry/options.hpp>
 
 #include "loop/event_loop.hpp"
 #include "loop/uv_handle.hpp"
+#include "sidechannel/message.hpp"
 
 namespace ferry::sidechannel {
 
 using loop::EventLoop;
-
-/// A message as the loop sees it (copied out of cnats).
-struct Message {
-  std::string subject;
-  std::string reply;
-  std::string data;
-  bool no_responders = false;  ///< the server's answer to a request nobody listens to
-};
-using MessageHandler = std::function<void(const Message&)>;
 
 /// Why a subject cannot be used, or an empty string when it can: no wildcards, no empty
 /// tokens, no whitespace or control characters, at most 1024 characters.
@@ -37,22 +27,18 @@ std::string subject_problem(std::string_view subject);
 /// n 1 to 16 lowercase hex digits without a leading zero.
 bool is_reply_inbox(std::string_view prefix, std::string_view subject);
 
-/// Test seam: the source of the random ids in reply and confirmation subjects (getrandom by
-/// default), with getrandom's signature. Returns the previous one. Tests only.
-using RandomSource = ssize_t (*)(void* buffer, std::size_t length, unsigned int flags);
-RandomSource set_random_source_for_testing(RandomSource source);
-
 class NatsSocketDriver;
+class Outbox;
 
 /// A NATS connection whose socket is driven by a connector's loop (NatsSocketDriver, ferry's
 /// side of cnats' event-loop contract).
 ///
 /// Threads: every method runs on the loop thread. cnats delivers messages and connection
 /// events on threads of its own; they are handed to the loop and handlers run there. Calls
-/// that take cnats' connection lock (publish, subscribe, unsubscribe) run on a worker thread
-/// of this class, in order, because cnats holds that lock while a reconnect attempt
-/// connects, which may take up to connect_timeout: the loop, which moves every transfer,
-/// must not wait for it.
+/// that take cnats' connection lock (publish, subscribe, unsubscribe) run on the channel's
+/// Outbox, a thread of its own, in order, because cnats holds that lock while a reconnect
+/// attempt connects, which may take up to connect_timeout: the loop, which moves every
+/// transfer, must not wait for it.
 class NatsChannel {
  public:
   /// Connects, on the loop thread: cnats attaches the socket from the thread that connects,
@@ -90,7 +76,9 @@ class NatsChannel {
   /// (cnats sends the buffered SUB and confirmation once it is back). A confirmation still
   /// missing at its deadline, the connection up, is an error ("the NATS server did not
   /// confirm ..."); so is a connection that cnats closes for good, and an unsubscribe() before
-  /// the confirmation (then reported after the current loop callback).
+  /// the confirmation (then reported after the current loop callback). With `registered`,
+  /// throws Error(Internal), subscribing nothing, when no random id can be drawn for the
+  /// confirmation (the kernel's random source fails).
   std::uint64_t subscribe(const std::string& subject, const std::string& queue,
                           MessageHandler handler, Registered registered = {}) {
     return subscribe_impl(subject, queue, std::move(handler), std::move(registered), {});
@@ -113,10 +101,10 @@ class NatsChannel {
 
   /// Answers `request` (a message a subscription handler received) with `data`, only if its
   /// reply subject is a reply inbox that request() builds under this channel's prefix
-  /// (is_reply_inbox). Anything else is dropped with a note on stderr (at most one line every
-  /// 10 s): whoever may publish to a served subject must not be able to make this connection
-  /// publish the answer, a credential, to a subject of its choosing. A request without a
-  /// reply subject is dropped silently.
+  /// (is_reply_inbox). Anything else is dropped with a warning in the connector's log (at most
+  /// one every 10 s): whoever may publish to a served subject must not be able to make this
+  /// connection publish the answer, a credential, to a subject of its choosing. A request
+  /// without a reply subject is dropped silently.
   void respond(const Message& request, std::string data);
 
   /// Requests open at once, at most; beyond it the oldest open request is dropped (its
@@ -126,7 +114,9 @@ class NatsChannel {
 
   /// Publishes a request whose first answer (or the server's no-responders notice) goes to
   /// `handler`, once; unless more than kMaxOpenRequests requests are open, in which case the
-  /// oldest is dropped unanswered. Returns an id for cancel_request().
+  /// oldest is dropped unanswered. Returns an id for cancel_request(). Throws
+  /// Error(Internal), publishing nothing, when no random id can be drawn (the kernel's random
+  /// source fails).
   std::uint64_t request(const std::string& subject, std::string data, MessageHandler handler);
   /// After it returns, the request's handler is not called.
   void cancel_request(std::uint64_t id);
@@ -147,9 +137,16 @@ class NatsChannel {
   struct State;
 
  private:
+  struct Wire;  // cnats' connection and the subscriptions made on it (defined in the .cpp)
+
+  // The constructor's steps after the state: the connection, then the loop's handles, then
+  // what the connection tells.
+  void connect(const NatsOptions& options);
+  void make_handles();
+  void learn_connection();
+
   std::uint64_t subscribe_impl(const std::string& subject, const std::string& queue,
                                MessageHandler handler, Registered registered, Answer direct);
-  struct Outbox;
 
   // Confirmations' deadlines (see subscribe()).
   void arm_confirm_timer();
@@ -159,9 +156,11 @@ class NatsChannel {
   void note_refused_reply(const Message& request);
 
   EventLoop& loop_;
+  const loop::Log log_;  // the connector's, for any thread
   std::shared_ptr<State> state_;
   std::unique_ptr<NatsSocketDriver> driver_;
   std::unique_ptr<Outbox> outbox_;
+  std::unique_ptr<Wire> wire_;
   std::string local_ip_;
   std::uint64_t inbox_sub_ = 0;
   // The two-phase close: the worker's final flush wakes closer_; finisher_ runs a loop turn

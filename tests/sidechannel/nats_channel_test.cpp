@@ -1,11 +1,11 @@
 // The NATS side channel on its own (sidechannel::NatsChannel), against a private nats-server:
 // answers go only to ferry's reply inboxes; what it keeps for requests and subscription
-// confirmations cannot grow without bound; a failing getrandom() does not hang it.
+// confirmations cannot grow without bound; a failing random source does not hang it; what it
+// has to say goes to the connector's log, never to stderr.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -19,7 +19,9 @@
 #include <ferry/ferry.hpp>
 
 #include "loop/event_loop.hpp"
+#include "sidechannel/inbox.hpp"
 #include "sidechannel/nats_channel.hpp"
+#include "tests/sidechannel/captured_log.hpp"
 #include "tests/support/nats_server.hpp"
 #include "tests/support/util.hpp"
 
@@ -98,7 +100,8 @@ class NatsChannelTest : public ::testing::Test {
   }
 
   test::NatsServer server_;
-  loop::EventLoop loop_;
+  test::CapturedLog said_;  // the connector's log, as the channels get it from the loop
+  loop::EventLoop loop_{nullptr, said_.log()};
   std::vector<std::unique_ptr<NatsChannel>> channels_;  // destroyed on the loop
 };
 
@@ -165,52 +168,58 @@ TEST_F(NatsChannelTest, RespondAnswersRequestsAndNothingElse) {
   // proper request sent after them, it has handled those too.
   EXPECT_EQ(ask(asker, "svc"), "the metadata");
   std::this_thread::sleep_for(100ms);
-  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(served.load(), 2 + static_cast<int>(foreign.size()) + 1);
   EXPECT_EQ(leaked.load(), 0);
-  // Noted once, not once per request.
-  std::size_t notes = 0;
-  for (auto at = said.find("is not a ferry reply inbox"); at != std::string::npos;
-       at = said.find("is not a ferry reply inbox", at + 1))
-    ++notes;
-  EXPECT_EQ(notes, 1u) << said;
-  EXPECT_NE(said.find("'evil.collect'"), std::string::npos) << said;
+  // Noted once in the connector's log, not once per request.
+  EXPECT_EQ(said_.count("is not a ferry reply inbox"), 1u) << said_.text();
+  EXPECT_EQ(said_.count("'evil.collect'"), 1u) << said_.text();
 }
 
-// --- getrandom() failing ------------------------------------------------------------------
+// --- The random source failing ----------------------------------------------------------
 
-ssize_t failing_getrandom(void*, std::size_t, unsigned int) {
-  errno = ENOSYS;
-  return -1;
+// As loop::random_u64 fails when the kernel refuses getrandom().
+std::uint64_t failing_random() {
+  throw Error(ErrorCode::Internal, "getrandom: Function not implemented");
 }
 
-TEST_F(NatsChannelTest, AFailingGetrandomFallsBackInsteadOfSpinning) {
+struct RandomSourceFor {
+  explicit RandomSourceFor(sidechannel::RandomSource source)
+      : previous(sidechannel::set_random_source_for_testing(source)) {}
+  ~RandomSourceFor() { sidechannel::set_random_source_for_testing(previous); }
+  sidechannel::RandomSource previous;
+};
+
+TEST_F(NatsChannelTest, AFailingRandomSourceFailsTheCallAtOnceAndLeavesNothingBehind) {
   NatsChannel& owner = open(kOwnerId);
   NatsChannel& asker = open(kAskerId);
-  struct Restore {
-    sidechannel::RandomSource previous =
-        sidechannel::set_random_source_for_testing(&failing_getrandom);
-    ~Restore() { sidechannel::set_random_source_for_testing(previous); }
-  } restore;
-
-  // Both draw ids: a subscription's confirmation, and requests.
-  auto confirmed = std::make_shared<std::promise<std::string>>();
-  auto ids = bounded_call(loop_, [&] {
-    owner.subscribe(
-        "svc", {}, [&](const Message& m) { owner.respond(m, "yes"); },
-        [confirmed](const std::string& error) { confirmed->set_value(error); });
-    std::vector<std::uint64_t> drawn;
-    for (int i = 0; i < 1000; ++i)
-      drawn.push_back(asker.request("nobody.here", "", [](const Message&) {}));
-    return drawn;
-  });
-  EXPECT_EQ(std::set<std::uint64_t>(ids.begin(), ids.end()).size(), ids.size());
-  EXPECT_EQ(std::count(ids.begin(), ids.end(), 0u), 0);
-  auto f = confirmed->get_future();
-  ASSERT_EQ(f.wait_for(5s), std::future_status::ready);
-  EXPECT_EQ(f.get(), "");
-  // The fallback ids make working reply subjects.
-  EXPECT_EQ(ask(asker, "svc"), "yes");
+  ASSERT_EQ(subscribe(owner, "svc", [&](const Message& m) { owner.respond(m, "yes"); }), "");
+  std::atomic<int> told{0}, delivered{0};
+  {
+    RandomSourceFor failing(&failing_random);
+    // Both draw ids: a subscription's confirmation, and a request. Each fails at once
+    // (bounded_call: nothing spins) with the source's error, and leaves nothing waiting.
+    bounded_call(loop_, [&] {
+      test::expect_error(
+          [&] {
+            owner.subscribe(
+                "other", {}, [&](const Message&) { ++delivered; },
+                [&](const std::string&) { ++told; });
+          },
+          ErrorCode::Internal, "getrandom");
+      test::expect_error([&] { asker.request("svc", "?", [&](const Message&) { ++told; }); },
+                         ErrorCode::Internal, "getrandom");
+      EXPECT_EQ(owner.pending_confirmations(), 0u);
+      EXPECT_EQ(asker.open_requests(), 0u);
+    });
+  }
+  // Nothing was subscribed or asked: a message to the refused subject finds no handler, and
+  // the refused request was never sent (the owner would have answered it).
+  loop_.call([&] { asker.publish("other", "anyone?"); });
+  EXPECT_EQ(ask(asker, "svc"), "yes");  // the source works again, and so does the channel
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(told.load(), 0);
+  EXPECT_EQ(delivered.load(), 0);
 }
 
 // --- Open requests are capped ------------------------------------------------------------
@@ -222,14 +231,13 @@ TEST_F(NatsChannelTest, OpenRequestsAreCappedOldestFirst) {
   ASSERT_EQ(subscribe(ch, "silent", [](const Message&) {}), "");
   constexpr std::size_t kExtra = 100;
   std::vector<std::uint64_t> ids;
-  ::testing::internal::CaptureStderr();
   loop_.call([&] {
     for (std::size_t i = 0; i < NatsChannel::kMaxOpenRequests + kExtra; ++i)
       ids.push_back(ch.request("silent", "", [](const Message&) {}));
   });
-  const std::string said = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(loop_.call([&] { return ch.open_requests(); }), NatsChannel::kMaxOpenRequests);
-  EXPECT_NE(said.find("NATS requests are open; dropping the oldest"), std::string::npos) << said;
+  // Said once, in the connector's log.
+  EXPECT_EQ(said_.count("NATS requests are open; dropping the oldest"), 1u) << said_.text();
   EXPECT_EQ(std::set<std::uint64_t>(ids.begin(), ids.end()).size(), ids.size());
   // The newest are the ones kept: cancelling one of them shrinks the table, cancelling one of
   // the dropped does not.
