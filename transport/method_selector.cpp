@@ -31,9 +31,8 @@ std::vector<MethodSelector::Choice> MethodSelector::choose(const std::vector<Cap
             kinds_text(needs.memory_kinds);
     else if (caps.same_host_only && !needs.same_host)
       why = "works on one host only";
-    else if (auto u = needs.unreachable.find(caps.method);
-             u != needs.unreachable.end() && !u->second.empty())
-      why = u->second;
+    else if (auto u = needs.unreachable.find(caps.method); u != needs.unreachable.end())
+      why = u->second.message();
     else
       why = failure(needs.peer, caps.method);
     if (!why.empty()) {

@@ -28,8 +28,8 @@ class MethodSelector {
     bool same_host = false;
     std::uint8_t memory_kinds = bit(MemoryKind::host);  ///< of both sides' memory together
     /// Why a local method cannot reach the peer's endpoint of its method (its transport's
-    /// own judgement, Transport::unreachable), by method; absent or empty: it may.
-    std::map<std::string, std::string> unreachable{};
+    /// own judgement, Transport::unreachable), by method; absent: it may.
+    std::map<std::string, Error> unreachable{};
   };
   struct Choice {
     std::size_t local = 0;  ///< index into the capabilities given

@@ -169,11 +169,11 @@ class Transport {
   virtual void revoke(std::uint64_t id, const Error& reason) = 0;
 
   /// Why this transport cannot reach the peer endpoint `endpoint` (of its method) from here,
-  /// e.g. a same-host method toward another host; empty when it may. Judged from the
-  /// endpoint alone, before any transfer; a method that passes may still fail at set-up.
-  virtual std::string unreachable(const Endpoint& endpoint) const {
+  /// e.g. a same-host method toward another host; none when it may. Judged from the endpoint
+  /// alone, before any transfer; a method that passes may still fail at set-up.
+  virtual std::optional<Error> unreachable(const Endpoint& endpoint) const {
     (void)endpoint;
-    return {};
+    return std::nullopt;
   }
 
   /// Why start() would refuse `endpoint` (of its method) as InvalidMetadata, e.g. an address

@@ -269,7 +269,7 @@ std::vector<std::pair<transport::Transport*, Endpoint>> Core::choose(const RdmaM
     const std::string& method = t->capabilities().method;
     for (const Endpoint& e : endpoints_allowed)
       if (e.method == method) {
-        needs.unreachable[method] = t->unreachable(e);
+        if (auto why = t->unreachable(e)) needs.unreachable.emplace(method, *why);
         break;
       }
   }

@@ -72,7 +72,7 @@ class FaultyTransport final : public transport::Transport {
     return inner_->expose(exposure, observer);
   }
   void revoke(std::uint64_t id, const Error& reason) override { inner_->revoke(id, reason); }
-  std::string unreachable(const Endpoint& endpoint) const override {
+  std::optional<Error> unreachable(const Endpoint& endpoint) const override {
     return inner_->unreachable(endpoint);
   }
   std::optional<Error> endpoint_error(const Endpoint& endpoint) const override {

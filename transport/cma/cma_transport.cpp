@@ -62,12 +62,10 @@ std::vector<Endpoint> CmaTransport::endpoints() const {
   return {Endpoint{caps_.method, listener_->address(), listener_->info()}};
 }
 
-std::string CmaTransport::unreachable(const Endpoint& endpoint) const {
-  try {
-    return same_host::scope_mismatch(same_host::parse_info(endpoint.info).scope);
-  } catch (const Error& e) {
-    return e.message();
-  }
+std::optional<Error> CmaTransport::unreachable(const Endpoint& endpoint) const {
+  same_host::OwnerInfo info;
+  if (auto e = parse_endpoint(endpoint, info)) return e;
+  return same_host::scope_mismatch(info.scope);
 }
 
 std::optional<Error> CmaTransport::endpoint_error(const Endpoint& endpoint) const {

@@ -76,16 +76,13 @@ std::vector<Endpoint> CudaIpcTransport::endpoints() const {
   return {Endpoint{caps_.method, listener_->address(), listener_->info()}};
 }
 
-std::string CudaIpcTransport::unreachable(const Endpoint& endpoint) const {
+std::optional<Error> CudaIpcTransport::unreachable(const Endpoint& endpoint) const {
   same_host::OwnerInfo info;
-  try {
-    info = same_host::parse_info(endpoint.info);
-  } catch (const Error& e) {
-    return e.message();
-  }
+  if (auto e = parse_endpoint(endpoint, info)) return e;
   // The driver refuses to open a process's own IPC handles.
   if (info.scope.pid == ::getpid())
-    return "the peer is this process (CUDA IPC opens only another process's memory)";
+    return Error(ErrorCode::Unsupported,
+                 "the peer is this process (CUDA IPC opens only another process's memory)");
   return same_host::scope_mismatch(info.scope);
 }
 

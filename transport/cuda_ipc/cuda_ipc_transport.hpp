@@ -71,7 +71,7 @@ class CudaIpcTransport final : public Transport,
   void revoke(std::uint64_t id, const Error& reason) override;
   std::optional<Error> endpoint_error(const Endpoint& endpoint) const override;
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
-  std::string unreachable(const Endpoint& endpoint) const override;
+  std::optional<Error> unreachable(const Endpoint& endpoint) const override;
   void close() override;
 
  private:

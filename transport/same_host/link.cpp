@@ -36,8 +36,8 @@ Link::Link(const Context& ctx, Client& client, std::string method, std::uint64_t
       owner_(std::make_shared<OwnerProcess>()),
       pending_([this](std::uint64_t, int delta) { conn_->expect_answers(delta); }) {
   const std::string who = "peer '" + peer_name + "' (pid " + std::to_string(info.scope.pid) + ")";
-  if (const std::string why = scope_mismatch(info.scope); !why.empty())
-    throw Error(ErrorCode::Unsupported, method_ + ": " + who + ": " + why);
+  if (auto why = scope_mismatch(info.scope))
+    throw Error(why->code(), method_ + ": " + who + ": " + why->message());
   owner_->pid = info.scope.pid;
   // Pin the process first: from here on its pid cannot mean another process to us.
   owner_->pidfd = open_pidfd(info.scope.pid);

@@ -42,11 +42,13 @@ OwnerInfo parse_info(const std::string& text) {
   return info;
 }
 
-std::string scope_mismatch(const ProcessScope& owner) {
+std::optional<Error> scope_mismatch(const ProcessScope& owner) {
   const ProcessScope self = this_process();
-  if (owner.boot_id != self.boot_id) return "the peer runs on another host (boot id differs)";
-  if (owner.pid_ns != self.pid_ns) return "the peer runs in another PID namespace";
-  return {};
+  if (owner.boot_id != self.boot_id)
+    return Error(ErrorCode::Unsupported, "the peer runs on another host (boot id differs)");
+  if (owner.pid_ns != self.pid_ns)
+    return Error(ErrorCode::Unsupported, "the peer runs in another PID namespace");
+  return std::nullopt;
 }
 
 bool socket_address(const std::string& address, sockaddr_un& out, socklen_t& len) {

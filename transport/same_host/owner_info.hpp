@@ -4,6 +4,7 @@
 #include <sys/un.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "transport/same_host/system.hpp"
@@ -24,8 +25,8 @@ std::string to_info(const OwnerInfo& info);
 /// Throws Error(InvalidMetadata) naming what is wrong.
 OwnerInfo parse_info(const std::string& info);
 /// Why a process of `owner`'s scope cannot be reached from this one (another boot, or another
-/// PID namespace), or empty.
-std::string scope_mismatch(const ProcessScope& owner);
+/// PID namespace): Unsupported; none when it can.
+std::optional<Error> scope_mismatch(const ProcessScope& owner);
 /// Parses "@name" into an abstract Unix socket address; false if malformed.
 bool socket_address(const std::string& address, sockaddr_un& out, socklen_t& len);
 

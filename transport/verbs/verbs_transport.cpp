@@ -130,11 +130,9 @@ std::optional<Error> VerbsTransport::endpoint_error(const Endpoint& endpoint) co
   return parse_endpoint(endpoint, a);
 }
 
-std::string VerbsTransport::unreachable(const Endpoint& endpoint) const {
+std::optional<Error> VerbsTransport::unreachable(const Endpoint& endpoint) const {
   wire::SocketAddress a;
-  if (!wire::SocketAddress::parse(endpoint.address, a))
-    return "'" + endpoint.address + "' is not a numeric ip:port";
-  return {};
+  return parse_endpoint(endpoint, a);
 }
 
 void VerbsTransport::close() {

@@ -225,7 +225,7 @@ class VerbsTransport final : public Transport, private Devices::Handler, private
   void revoke(std::uint64_t id, const Error& reason) override;
   std::optional<Error> endpoint_error(const Endpoint& endpoint) const override;
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
-  std::string unreachable(const Endpoint& endpoint) const override;
+  std::optional<Error> unreachable(const Endpoint& endpoint) const override;
   void close() override;
 
   const Counters& counters() const noexcept { return counters_; }

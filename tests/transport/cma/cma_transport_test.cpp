@@ -41,17 +41,19 @@ TEST(Reach, AnotherHostOrNamespaceIsPassedOverWithItsReason) {
     return std::make_unique<CmaTransport>(c, CmaOptions{});
   });
   Endpoint own = loop.call([&] { return transport->endpoints().at(0); });
-  EXPECT_EQ(loop.call([&] { return transport->unreachable(own); }), "");
+  EXPECT_FALSE(loop.call([&] { return transport->unreachable(own); }).has_value());
   OwnerInfo other = sample_info();
   other.scope.boot_id = "00000000-0000-0000-0000-000000000000";
   Endpoint elsewhere{"cma", own.address, to_info(other)};
-  const std::string why = loop.call([&] { return transport->unreachable(elsewhere); });
-  EXPECT_NE(why.find("another host"), std::string::npos) << why;
+  const std::optional<Error> why = loop.call([&] { return transport->unreachable(elsewhere); });
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->message().find("another host"), std::string::npos) << why->message();
   other = sample_info();
   other.scope.pid_ns += 1;
   Endpoint nested{"cma", own.address, to_info(other)};
-  EXPECT_NE(loop.call([&] { return transport->unreachable(nested); }).find("PID namespace"),
-            std::string::npos);
+  const std::optional<Error> nested_why = loop.call([&] { return transport->unreachable(nested); });
+  ASSERT_TRUE(nested_why.has_value());
+  EXPECT_NE(nested_why->message().find("PID namespace"), std::string::npos);
 
   MethodSelector selector;
   Capabilities cma_caps = loop.call([&] { return transport->capabilities(); });
@@ -62,7 +64,7 @@ TEST(Reach, AnotherHostOrNamespaceIsPassedOverWithItsReason) {
   needs.peer = "0123456789abcdef";
   needs.peer_name = "nested";
   needs.same_host = true;
-  needs.unreachable["cma"] = "the peer runs in another PID namespace";
+  needs.unreachable.emplace("cma", *nested_why);
   auto choices =
       selector.choose({cma_caps, tcp_caps}, {nested, Endpoint{"tcp", "127.0.0.1:1"}}, needs);
   ASSERT_EQ(choices.size(), 1u);
