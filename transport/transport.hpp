@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ferry/error.hpp>
@@ -111,6 +112,18 @@ void report_later(const Defer& defer, std::weak_ptr<int> life, Transfers& transf
     it->second->notified = true;
     report(*it->second->observer, error, setup);
   });
+}
+
+/// What `fn` throws as Error, or none when it returns: a check ("may this be done?") made of
+/// a call that throws when it may not (Transport::endpoint_error of a parse, say).
+template <class F>
+std::optional<Error> refusal(F&& fn) {
+  try {
+    std::forward<F>(fn)();
+  } catch (const Error& e) {
+    return e;
+  }
+  return std::nullopt;
 }
 
 /// What an active operation asks of a transport.

@@ -267,10 +267,10 @@ int run(const Options& opts) {
 
   JsonObject out;
   out.add("tool", "ferry-ref-cuda").add("device", static_cast<std::uint64_t>(device));
-  std::string why;
-  g_api = cuda::system_cuda(&why);
-  if (g_api == nullptr) {
-    out.add("error", "CUDA cannot be used here: " + why).print();
+  try {
+    g_api = &cuda::system_cuda();
+  } catch (const ferry::Error& e) {
+    out.add("error", "CUDA cannot be used here: " + e.message()).print();
     return 1;
   }
   out.add("driver", g_api->name);

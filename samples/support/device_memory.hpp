@@ -33,9 +33,11 @@ class DeviceMemory {
   DeviceMemory(int ordinal, std::size_t size) : ordinal_(ordinal), size_(size) {
 #ifdef FERRY_WITH_CUDA
     namespace cuda = ferry::transport::cuda;
-    std::string why;
-    api_ = cuda::system_cuda(&why);
-    if (api_ == nullptr) throw std::runtime_error("cuda:" + std::to_string(ordinal) + ": " + why);
+    try {
+      api_ = &cuda::system_cuda();
+    } catch (const ferry::Error& e) {
+      throw std::runtime_error("cuda:" + std::to_string(ordinal) + ": " + e.message());
+    }
     check(api_->device_get(&dev_, ordinal_), "cuDeviceGet");
     check(api_->device_primary_ctx_retain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
     Scope scope(*this);

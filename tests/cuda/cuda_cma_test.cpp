@@ -29,6 +29,7 @@
 #include "tests/support/util.hpp"
 #include "transport/cuda/copy_engine.hpp"
 #include "transport/cuda/cuda_api.hpp"
+#include "transport/cuda/cuda_memory.hpp"
 
 namespace ferry {
 namespace {
@@ -102,8 +103,8 @@ class CudaCma : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_TRUE(kFakeDriver);
-    std::string why;
-    ASSERT_NE(cuda::system_cuda(&why), nullptr) << why;
+    const std::optional<Error> why = cuda::unavailable();
+    ASSERT_FALSE(why) << why->what();
     if (const std::string missing = cma_missing(); !missing.empty())
       GTEST_SKIP() << "cma is not offered on this host: " << missing;
   }

@@ -19,6 +19,7 @@
 #include "tests/support/util.hpp"
 #include "transport/cuda/copy_engine.hpp"
 #include "transport/cuda/cuda_api.hpp"
+#include "transport/cuda/cuda_memory.hpp"
 
 namespace ferry {
 namespace {
@@ -61,9 +62,9 @@ class WithCudaDriver : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_TRUE(kFakeDriver);
-    std::string why;
-    api_ = cuda::system_cuda(&why);
-    ASSERT_NE(api_, nullptr) << why;
+    const std::optional<Error> why = cuda::unavailable();
+    ASSERT_FALSE(why) << why->what();
+    api_ = &cuda::system_cuda();
   }
   const cuda::CudaApi* api_ = nullptr;
 };

@@ -31,9 +31,9 @@ constexpr int kHost = -1;
 
 /// Why this host cannot run the GPU tests with `method`, or empty.
 std::string missing(const std::string& method) {
-  std::string why;
-  const auto* api = transport::cuda::system_cuda(&why);
-  if (api == nullptr) return "no usable CUDA driver here: " + why;
+  if (const std::optional<Error> why = transport::cuda::unavailable())
+    return "no usable CUDA driver here: " + why->message();
+  const auto* api = &transport::cuda::system_cuda();
   int count = 0;
   if (api->device_get_count(&count) != CUDA_SUCCESS || count == 0)
     return "the CUDA driver sees no GPU";

@@ -22,9 +22,9 @@ namespace cuda = transport::cuda;
 class RealGpu : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string why;
-    api_ = cuda::system_cuda(&why);
-    if (api_ == nullptr) GTEST_SKIP() << "no usable CUDA driver here: " << why;
+    if (const std::optional<Error> why = cuda::unavailable())
+      GTEST_SKIP() << "no usable CUDA driver here: " << why->message();
+    api_ = &cuda::system_cuda();
     int count = 0;
     if (api_->device_get_count(&count) != CUDA_SUCCESS || count == 0)
       GTEST_SKIP() << "the CUDA driver sees no GPU";

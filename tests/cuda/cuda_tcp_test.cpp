@@ -22,6 +22,7 @@
 #include "tests/support/util.hpp"
 #include "transport/cuda/copy_engine.hpp"
 #include "transport/cuda/cuda_api.hpp"
+#include "transport/cuda/cuda_memory.hpp"
 
 namespace ferry {
 namespace {
@@ -45,8 +46,8 @@ class CudaTcp : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_TRUE(kFakeDriver);
-    std::string why;
-    ASSERT_NE(cuda::system_cuda(&why), nullptr) << why;
+    const std::optional<Error> why = cuda::unavailable();
+    ASSERT_FALSE(why) << why->what();
   }
   void TearDown() override {
     // Every staging chunk is back once the operations are over.

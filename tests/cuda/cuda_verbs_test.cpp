@@ -26,6 +26,7 @@
 #include "tests/support/util.hpp"
 #include "transport/cuda/copy_engine.hpp"
 #include "transport/cuda/cuda_api.hpp"
+#include "transport/cuda/cuda_memory.hpp"
 
 namespace ferry {
 namespace {
@@ -67,8 +68,8 @@ class CudaVerbs : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_TRUE(kFakeDriver);
-    std::string why;
-    ASSERT_NE(cuda::system_cuda(&why), nullptr) << why;
+    const std::optional<Error> why = cuda::unavailable();
+    ASSERT_FALSE(why) << why->what();
     test::use_simulated_verbs();
     fabric(true, false);
   }

@@ -17,15 +17,13 @@
 #include "tests/support/patterns.hpp"
 #include "transport/cuda/copy_engine.hpp"
 #include "transport/cuda/cuda_api.hpp"
+#include "transport/cuda/cuda_memory.hpp"
 
 namespace ferry::test {
 
 namespace cuda = transport::cuda;
 
-inline const cuda::CudaApi& api() {
-  static const cuda::CudaApi* a = cuda::system_cuda();
-  return *a;
-}
+inline const cuda::CudaApi& api() { return cuda::system_cuda(); }
 
 /// "host" for ordinal -1, else "cuda<N>" (test names).
 inline std::string where(int ordinal) {

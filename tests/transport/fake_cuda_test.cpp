@@ -61,9 +61,11 @@ std::vector<unsigned long long> counters() {
 class FakeCuda : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string why;
-    api_ = cuda::system_cuda(&why);
-    ASSERT_NE(api_, nullptr) << why;
+    try {
+      api_ = &cuda::system_cuda();
+    } catch (const ferry::Error& e) {
+      FAIL() << e.what();
+    }
     CU_OK(api_->device_primary_ctx_retain(&ctx_, 0));
     CU_OK(api_->ctx_set_current(ctx_));
   }

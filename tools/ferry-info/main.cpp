@@ -255,9 +255,12 @@ std::string selection_rule(const json& restricted) {
 /// CUDA memory: the driver ferry loads at run time and its devices, or why it cannot be used.
 json cuda_memory_facts(const json& methods) {
 #ifdef FERRY_INFO_WITH_CUDA
-  std::string why;
-  auto info = ferry::transport::cuda::describe(&why);
-  if (!info) return {{"kind", "cuda"}, {"supported", false}, {"detail", why}};
+  std::optional<ferry::transport::cuda::DriverInfo> info;
+  try {
+    info = ferry::transport::cuda::describe();
+  } catch (const ferry::Error& e) {
+    return {{"kind", "cuda"}, {"supported", false}, {"detail", e.message()}};
+  }
   json devices = json::array();
   std::string names;
   for (const auto& d : info->devices) {

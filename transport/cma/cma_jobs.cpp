@@ -159,7 +159,7 @@ void CmaTransport::job_done(Job& job) {
     // the pool's threads, say) is kept on the link, so that the next transfer toward this
     // owner fails at set-up and falls back.
     const Error error = copy_error(job.err, t.spec, job.owner->pid);
-    if (job.err == EPERM) t.link->refused = error.message();
+    if (job.err == EPERM) t.link->refused = error;
     failed(t, error);
     return;
   }

@@ -13,30 +13,8 @@ const Method& cma_method();
 
 namespace ferry::transport::cma {
 
-namespace {
-
-// The owner's info of a cma endpoint in `out`, or why start() refuses the endpoint.
-std::optional<Error> parse_endpoint(const Endpoint& endpoint, same_host::OwnerInfo& out) {
-  sockaddr_un addr{};
-  socklen_t len = 0;
-  if (!same_host::socket_address(endpoint.address, addr, len))
-    return Error(ErrorCode::InvalidMetadata,
-                 "cma endpoint '" + endpoint.address + "' is not an abstract socket name",
-                 "endpoints");
-  try {
-    out = same_host::parse_info(endpoint.info);
-  } catch (const Error& e) {
-    return e;
-  }
-  return std::nullopt;
-}
-
-}  // namespace
-
 std::optional<Error> CmaTransport::unavailable(bool ptracer_any) {
-  if (std::string why = same_host::unavailable_reason(ptracer_any); !why.empty())
-    return Error(ErrorCode::Unsupported, why);
-  return std::nullopt;
+  return same_host::unavailable_reason(ptracer_any);
 }
 
 CmaTransport::CmaTransport(const Context& ctx, const CmaOptions& options, std::uint32_t grant_slots)
@@ -50,8 +28,8 @@ CmaTransport::CmaTransport(const Context& ctx, const CmaOptions& options, std::u
   if (auto why = unavailable(options_.ptracer_any))
     throw Error(ErrorCode::Unsupported, "cma: " + why->message());
   if (options_.ptracer_any && same_host::yama_ptrace_scope() == 1)
-    if (auto why = same_host::allow_any_ptracer(); !why.empty())
-      throw Error(ErrorCode::Unsupported, "cma: " + why);
+    if (auto why = refusal([] { same_host::allow_any_ptracer(); }))
+      throw Error(why->code(), "cma: " + why->message());
   listener_ = std::make_unique<same_host::Listener>(ctx_, "cma", "ferry-cma", grant_slots,
                                                     same_host::Listener::ClaimPayload{});
 }
@@ -64,13 +42,12 @@ std::vector<Endpoint> CmaTransport::endpoints() const {
 
 std::optional<Error> CmaTransport::unreachable(const Endpoint& endpoint) const {
   same_host::OwnerInfo info;
-  if (auto e = parse_endpoint(endpoint, info)) return e;
+  if (auto e = refusal([&] { info = same_host::parse_endpoint(endpoint); })) return e;
   return same_host::scope_mismatch(info.scope);
 }
 
 std::optional<Error> CmaTransport::endpoint_error(const Endpoint& endpoint) const {
-  same_host::OwnerInfo info;
-  return parse_endpoint(endpoint, info);
+  return refusal([&] { (void)same_host::parse_endpoint(endpoint); });
 }
 
 void CmaTransport::close() {
@@ -109,8 +86,8 @@ void CmaTransport::revoke(std::uint64_t id, const Error& reason) { listener_->re
 
 std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  same_host::OwnerInfo info;
-  if (auto e = parse_endpoint(spec.endpoint, info)) throw *e;
+  // An endpoint that does not parse is bad metadata: thrown, not a set-up failure.
+  (void)same_host::parse_endpoint(spec.endpoint);
   const bool staged = std::any_of(spec.segments.begin(), spec.segments.end(),
                                   [](const Segment& s) { return s.cuda_device >= 0; });
   if (staged && !caps_.moves(MemoryKind::cuda))
@@ -132,7 +109,7 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
 
 same_host::Link& CmaTransport::link_to(const TransferSpec& spec) {
   if (same_host::Link* link = links_.find(spec.endpoint.address)) {
-    if (!link->refused.empty()) throw Error(ErrorCode::Unsupported, "cma: " + link->refused);
+    if (link->refused) throw Error(ErrorCode::Unsupported, "cma: " + link->refused->message());
     return *link;
   }
   return *links_.add(spec.endpoint.address,

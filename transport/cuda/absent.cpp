@@ -19,16 +19,13 @@ bool built() noexcept { return false; }
 
 const CudaApi* usable_driver() { return nullptr; }
 
-std::string unavailable() { return kAbsent; }
+std::optional<Error> unavailable() { return Error(ErrorCode::Unsupported, kAbsent); }
 
 std::optional<Error> check_device_range(const void*, std::size_t, int) {
   return Error(ErrorCode::Unsupported, kAbsent);
 }
 
-std::optional<DriverInfo> describe(std::string* why) {
-  if (why != nullptr) *why = kAbsent;
-  return std::nullopt;
-}
+DriverInfo describe() { throw Error(ErrorCode::Unsupported, kAbsent); }
 
 struct Stager::Impl {};
 

@@ -4,6 +4,10 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <optional>
+#include <string>
+
+#include <ferry/error.hpp>
 
 // The name the driver exports for a function of <cuda.h>, after its version macros:
 // FERRY_CUDA_SYMBOL(cuMemAlloc) is "cuMemAlloc_v2".
@@ -17,19 +21,15 @@ namespace {
 struct Loaded {
   CudaApi api;
   std::string library;
-  std::string why;
-  bool ok = false;
+  std::optional<Error> error;  ///< why the driver cannot be used
 };
 
+/// Binds `out` to the driver's `symbol`; throws Error(Unsupported) when it lacks it.
 template <class F>
-bool bind(void* lib, const char* symbol, F& out, std::string& why) {
+void bind(void* lib, const char* symbol, F& out) {
   void* p = ::dlsym(lib, symbol);
-  if (p == nullptr) {
-    if (why.empty()) why = std::string("the driver lacks ") + symbol;
-    return false;
-  }
+  if (p == nullptr) throw Error(ErrorCode::Unsupported, std::string("the driver lacks ") + symbol);
   out = reinterpret_cast<F>(p);
-  return true;
 }
 
 template <class F>
@@ -37,25 +37,12 @@ void bind_optional(void* lib, const char* symbol, F& out) {
   if (void* p = ::dlsym(lib, symbol)) out = reinterpret_cast<F>(p);
 }
 
-#define FERRY_BIND(field, fn) ok &= bind(lib, FERRY_CUDA_SYMBOL(fn), a.field, w)
+#define FERRY_BIND(field, fn) bind(lib, FERRY_CUDA_SYMBOL(fn), a.field)
 #define FERRY_BIND_OPTIONAL(field, fn) bind_optional(lib, FERRY_CUDA_SYMBOL(fn), a.field)
 
-// Fills `l` in place: the table's name points into l.library.
-void load(Loaded& l) {
-  const char* chosen = std::getenv("FERRY_CUDA_DRIVER");
-  l.library = chosen != nullptr && *chosen != '\0' ? chosen : "libcuda.so.1";
-  void* lib = ::dlopen(l.library.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    const char* e = ::dlerror();
-    l.why =
-        "no CUDA driver: " + l.library + " cannot be loaded (" + (e ? e : "unknown error") + ")";
-    return;
-  }
-  // The library stays loaded for the life of the process, as it would linked.
-  CudaApi& a = l.api;
-  a.name = l.library.c_str();
-  std::string& w = l.why;
-  bool ok = true;
+// Binds every function ferry needs of the driver in `lib` into `a`; throws Error(Unsupported)
+// naming the first one it lacks.
+void bind_all(void* lib, CudaApi& a) {
   FERRY_BIND(init, cuInit);
   FERRY_BIND(driver_get_version, cuDriverGetVersion);
   FERRY_BIND(get_error_string, cuGetErrorString);
@@ -100,9 +87,30 @@ void load(Loaded& l) {
   FERRY_BIND_OPTIONAL(mem_unmap, cuMemUnmap);
   FERRY_BIND_OPTIONAL(mem_set_access, cuMemSetAccess);
   FERRY_BIND_OPTIONAL(mem_get_handle_for_address_range, cuMemGetHandleForAddressRange);
-  if (!ok) {
-    w = "the CUDA driver " + l.library + " is not usable: " + w;
-    return;
+}
+
+#undef FERRY_BIND
+#undef FERRY_BIND_OPTIONAL
+
+// Fills `l` in place (the table's name points into l.library); throws Error(Unsupported) when
+// the driver cannot be used.
+void load(Loaded& l) {
+  const char* chosen = std::getenv("FERRY_CUDA_DRIVER");
+  l.library = chosen != nullptr && *chosen != '\0' ? chosen : "libcuda.so.1";
+  void* lib = ::dlopen(l.library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* e = ::dlerror();
+    throw Error(ErrorCode::Unsupported, "no CUDA driver: " + l.library + " cannot be loaded (" +
+                                            (e ? e : "unknown error") + ")");
+  }
+  // The library stays loaded for the life of the process, as it would linked.
+  CudaApi& a = l.api;
+  a.name = l.library.c_str();
+  try {
+    bind_all(lib, a);
+  } catch (const Error& e) {
+    throw Error(ErrorCode::Unsupported,
+                "the CUDA driver " + l.library + " is not usable: " + e.message());
   }
   // VMM needs all of its entries, or none is used.
   if (a.mem_create == nullptr || a.mem_release == nullptr ||
@@ -111,28 +119,26 @@ void load(Loaded& l) {
       a.mem_address_free == nullptr || a.mem_map == nullptr || a.mem_unmap == nullptr ||
       a.mem_set_access == nullptr)
     a.mem_export_to_shareable_handle = nullptr;
-  CUresult r = a.init(0);
-  if (r != CUDA_SUCCESS) {
-    w = "the CUDA driver " + l.library + " did not start: cuInit failed with " + result_text(&a, r);
-    return;
-  }
-  l.ok = true;
+  if (CUresult r = a.init(0); r != CUDA_SUCCESS)
+    throw Error(ErrorCode::Unsupported, "the CUDA driver " + l.library +
+                                            " did not start: cuInit failed with " +
+                                            result_text(&a, r));
 }
-
-#undef FERRY_BIND
-#undef FERRY_BIND_OPTIONAL
 
 }  // namespace
 
-const CudaApi* system_cuda(std::string* why) {
+const CudaApi& system_cuda() {
   static Loaded loaded;
   static std::once_flag once;
-  std::call_once(once, [] { load(loaded); });
-  if (!loaded.ok) {
-    if (why != nullptr) *why = loaded.why;
-    return nullptr;
-  }
-  return &loaded.api;
+  std::call_once(once, [] {
+    try {
+      load(loaded);
+    } catch (const Error& e) {
+      loaded.error = e;
+    }
+  });
+  if (loaded.error) throw *loaded.error;
+  return loaded.api;
 }
 
 std::string result_text(const CudaApi* api, CUresult result) {

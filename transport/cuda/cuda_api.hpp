@@ -16,6 +16,8 @@
 
 #include <string>
 
+#include <ferry/error.hpp>
+
 namespace ferry::transport::cuda {
 
 struct CudaApi {
@@ -96,10 +98,11 @@ struct CudaApi {
   bool has_dmabuf() const noexcept { return mem_get_handle_for_address_range != nullptr; }
 };
 
-/// The driver, bound and initialized (cuInit) once per process; null when it cannot be, with
-/// why in `why`: the library is missing (no driver on this host), lacks a function ferry needs,
-/// or cuInit failed (no GPU, a driver older than the toolkit ferry was built with, ...).
-const CudaApi* system_cuda(std::string* why = nullptr);
+/// The driver, bound and initialized (cuInit) once per process. Throws Error(Unsupported)
+/// saying why it cannot be (at every call): the library is missing (no driver on this host),
+/// lacks a function ferry needs, or cuInit failed (no GPU, a driver older than the toolkit
+/// ferry was built with, ...). cuda::unavailable() asks the same without throwing. Any thread.
+const CudaApi& system_cuda();
 
 /// "CUDA_ERROR_INVALID_VALUE (invalid argument)" for messages; works with a null table.
 std::string result_text(const CudaApi* api, CUresult result);

@@ -3,23 +3,22 @@
 #include <cstdint>
 
 #include "transport/cuda/cuda_api.hpp"
+#include "transport/transport.hpp"
 
 namespace ferry::transport::cuda {
 
 bool built() noexcept { return true; }
 
-const CudaApi* usable_driver() { return system_cuda(); }
+const CudaApi* usable_driver() { return unavailable() ? nullptr : &system_cuda(); }
 
-std::string unavailable() {
-  std::string why;
-  return system_cuda(&why) != nullptr ? std::string() : why;
+std::optional<Error> unavailable() {
+  return refusal([] { (void)system_cuda(); });
 }
 
 std::optional<Error> check_device_range(const void* ptr, std::size_t size, int ordinal) {
-  std::string why;
-  const CudaApi* api = system_cuda(&why);
-  if (api == nullptr)
-    return Error(ErrorCode::Unsupported, "CUDA memory cannot be used here: " + why);
+  if (auto why = unavailable())
+    return Error(ErrorCode::Unsupported, "CUDA memory cannot be used here: " + why->message());
+  const CudaApi* api = &system_cuda();
   int count = 0;
   if (api->device_get_count(&count) != CUDA_SUCCESS || ordinal >= count)
     return Error(ErrorCode::InvalidArgument, "there is no device cuda:" + std::to_string(ordinal) +
@@ -54,9 +53,8 @@ std::optional<Error> check_device_range(const void* ptr, std::size_t size, int o
   return std::nullopt;
 }
 
-std::optional<DriverInfo> describe(std::string* why) {
-  const CudaApi* api = system_cuda(why);
-  if (api == nullptr) return std::nullopt;
+DriverInfo describe() {
+  const CudaApi* api = &system_cuda();
   DriverInfo info;
   info.library = api->name;
   (void)api->driver_get_version(&info.version);

@@ -20,13 +20,14 @@ struct CudaApi;
 /// driver is usable.
 bool built() noexcept;
 
-/// The driver's table (system_cuda()), or null when this process cannot use CUDA memory: for
-/// code that hands the table on without calling it (no <cuda.h> needed). Any thread.
+/// The driver's table (system_cuda()), or null when this process cannot use CUDA memory
+/// (unavailable() says why): for code that hands the table on without calling it (no <cuda.h>
+/// needed). Any thread.
 const CudaApi* usable_driver();
 
-/// Why this process cannot use CUDA memory (no driver, no GPU, ...), or empty when it can.
-/// The driver is loaded on the first call; any thread.
-std::string unavailable();
+/// Why this process cannot use CUDA memory (Unsupported: no driver, no GPU, ...); none when
+/// it can. The driver is loaded on the first call; any thread.
+std::optional<Error> unavailable();
 
 /// Why [ptr, ptr + size) cannot be used as memory of CUDA device `ordinal`: InvalidArgument
 /// when it is not device memory, is another device's, or runs past the end of its allocation;
@@ -48,7 +49,8 @@ struct DriverInfo {
   std::vector<DeviceInfo> devices;
 };
 
-/// The driver and its devices; none, with why in `why`, when CUDA cannot be used here.
-std::optional<DriverInfo> describe(std::string* why);
+/// The driver and its devices. Throws Error(Unsupported) saying why when CUDA cannot be used
+/// here.
+DriverInfo describe();
 
 }  // namespace ferry::transport::cuda

@@ -24,30 +24,12 @@ struct OwnerMemory final : same_host::Link::Extra {
   IpcImports imports;
 };
 
-std::optional<Error> parse_endpoint(const Endpoint& endpoint, same_host::OwnerInfo& out) {
-  sockaddr_un addr{};
-  socklen_t len = 0;
-  if (!same_host::socket_address(endpoint.address, addr, len))
-    return Error(ErrorCode::InvalidMetadata,
-                 "cuda_ipc endpoint '" + endpoint.address + "' is not an abstract socket name",
-                 "endpoints");
-  try {
-    out = same_host::parse_info(endpoint.info);
-  } catch (const Error& e) {
-    return e;
-  }
-  return std::nullopt;
-}
-
 }  // namespace
 
 std::optional<Error> CudaIpcTransport::unavailable(bool ptracer_any) {
-  if (std::string why = cuda::unavailable(); !why.empty())
-    return Error(ErrorCode::Unsupported, why);
+  if (auto why = cuda::unavailable()) return why;
   // It claims and grants as cma does: it needs what cma needs.
-  if (std::string why = same_host::unavailable_reason(ptracer_any); !why.empty())
-    return Error(ErrorCode::Unsupported, why);
-  return std::nullopt;
+  return same_host::unavailable_reason(ptracer_any);
 }
 
 CudaIpcTransport::CudaIpcTransport(const Context& ctx, const CmaOptions& options,
@@ -57,14 +39,18 @@ CudaIpcTransport::CudaIpcTransport(const Context& ctx, const CmaOptions& options
       caps_(cuda_ipc_method().capabilities(ctx)),
       links_(ctx.loop, ctx.defer),
       transfers_(ctx.defer, static_cast<kit::TransferHooks<CudaIpcTransfer>&>(*this)) {
-  if (ctx_.cuda == nullptr) throw Error(ErrorCode::Unsupported, "cuda_ipc: " + cuda::unavailable());
+  if (ctx_.cuda == nullptr) {
+    const std::optional<Error> why = cuda::unavailable();
+    throw Error(ErrorCode::Unsupported,
+                "cuda_ipc: " + (why ? why->message() : std::string("no CUDA driver")));
+  }
   if (options_.chunk_size == 0 || options_.parallel == 0)
     throw Error(ErrorCode::InvalidArgument, "cma.chunk_size and cma.parallel must be positive");
   if (auto why = unavailable(options_.ptracer_any))
     throw Error(ErrorCode::Unsupported, "cuda_ipc: " + why->message());
   if (options_.ptracer_any && same_host::yama_ptrace_scope() == 1)
-    if (auto why = same_host::allow_any_ptracer(); !why.empty())
-      throw Error(ErrorCode::Unsupported, "cuda_ipc: " + why);
+    if (auto why = refusal([] { same_host::allow_any_ptracer(); }))
+      throw Error(why->code(), "cuda_ipc: " + why->message());
   listener_ = std::make_unique<same_host::Listener>(
       ctx_, "cuda_ipc", "ferry-cudaipc", grant_slots,
       [this](const Exposure& exposure) { return handles_of(exposure); });
@@ -78,7 +64,7 @@ std::vector<Endpoint> CudaIpcTransport::endpoints() const {
 
 std::optional<Error> CudaIpcTransport::unreachable(const Endpoint& endpoint) const {
   same_host::OwnerInfo info;
-  if (auto e = parse_endpoint(endpoint, info)) return e;
+  if (auto e = refusal([&] { info = same_host::parse_endpoint(endpoint); })) return e;
   // The driver refuses to open a process's own IPC handles.
   if (info.scope.pid == ::getpid())
     return Error(ErrorCode::Unsupported,
@@ -87,8 +73,7 @@ std::optional<Error> CudaIpcTransport::unreachable(const Endpoint& endpoint) con
 }
 
 std::optional<Error> CudaIpcTransport::endpoint_error(const Endpoint& endpoint) const {
-  same_host::OwnerInfo info;
-  return parse_endpoint(endpoint, info);
+  return refusal([&] { (void)same_host::parse_endpoint(endpoint); });
 }
 
 void CudaIpcTransport::close() {
@@ -134,8 +119,8 @@ void CudaIpcTransport::revoke(std::uint64_t id, const Error& reason) {
 
 std::unique_ptr<Transfer> CudaIpcTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  same_host::OwnerInfo info;
-  if (auto e = parse_endpoint(spec.endpoint, info)) throw *e;
+  // An endpoint that does not parse is bad metadata: thrown, not a set-up failure.
+  (void)same_host::parse_endpoint(spec.endpoint);
   auto handle = transfers_.make(std::move(spec), observer);
   auto* t = &handle->get();
   try {

@@ -1,7 +1,6 @@
 #include "transport/cuda_ipc/ipc_handles.hpp"
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <iterator>
 #include <memory>
@@ -101,19 +100,16 @@ void VmmExports::sweep() {
   }
 }
 
-bool VmmExports::share(IpcRange& range, std::string& why) {
+void VmmExports::share(IpcRange& range) {
   if (api_.mem_retain_allocation_handle == nullptr ||
-      api_.mem_export_to_shareable_handle == nullptr) {
-    why = "this driver has no virtual memory management";
-    return false;
-  }
+      api_.mem_export_to_shareable_handle == nullptr)
+    throw Error(ErrorCode::Unsupported, "this driver has no virtual memory management");
   CUmemGenericAllocationHandle handle = 0;
   CUresult rc = api_.mem_retain_allocation_handle(&handle, reinterpret_cast<void*>(range.base));
-  if (rc != CUDA_SUCCESS) {
-    why = "it is no VMM allocation either (cuMemRetainAllocationHandle: " +
-          cuda::result_text(&api_, rc) + ")";
-    return false;
-  }
+  if (rc != CUDA_SUCCESS)
+    throw Error(ErrorCode::Unsupported,
+                "it is no VMM allocation either (cuMemRetainAllocationHandle: " +
+                    cuda::result_text(&api_, rc) + ")");
   // While `handle` is retained here, no other allocation can be given its value: an entry
   // holding the same value is the same allocation.
   if (auto it = entries_.find(range.base);
@@ -121,7 +117,7 @@ bool VmmExports::share(IpcRange& range, std::string& why) {
     (void)api_.mem_release(handle);
     range.fd = it->second.fd;
     range.generation = it->second.generation;
-    return true;
+    return;
   }
   sweep();
   int fd = -1;
@@ -129,11 +125,12 @@ bool VmmExports::share(IpcRange& range, std::string& why) {
       api_.mem_export_to_shareable_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
   if (rc != CUDA_SUCCESS || fd < 0) {
     (void)api_.mem_release(handle);
-    why = "the VMM allocation cannot be exported as a POSIX fd (cuMemExportToShareableHandle: " +
-          cuda::result_text(&api_, rc) +
-          "; create it with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR among its "
-          "requestedHandleTypes)";
-    return false;
+    throw Error(ErrorCode::Unsupported,
+                "the VMM allocation cannot be exported as a POSIX fd "
+                "(cuMemExportToShareableHandle: " +
+                    cuda::result_text(&api_, rc) +
+                    "; create it with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR among its "
+                    "requestedHandleTypes)");
   }
   if (auto it = entries_.find(range.base); it != entries_.end()) {
     drop(it->second);
@@ -144,7 +141,6 @@ bool VmmExports::share(IpcRange& range, std::string& why) {
   ++exports_;
   range.fd = fd;
   range.generation = e.generation;
-  return true;
 }
 
 std::vector<IpcRange> export_ranges(const cuda::CudaApi& api, const std::vector<Region>& regions,
@@ -183,11 +179,16 @@ std::vector<IpcRange> export_ranges(const cuda::CudaApi& api, const std::vector<
           why = "cuIpcGetMemHandle: " + cuda::result_text(&api, rc);
           r.handle = {};
           r.kind = IpcKind::vmm;
-          std::string vmm_why = "and this transport shares no VMM allocations";
-          if (vmm != nullptr && vmm->share(r, vmm_why))
-            rc = CUDA_SUCCESS;
-          else
-            why += "; " + vmm_why;
+          if (vmm == nullptr) {
+            why += "; and this transport shares no VMM allocations";
+          } else {
+            try {
+              vmm->share(r);
+              rc = CUDA_SUCCESS;
+            } catch (const Error& e) {
+              why += "; " + e.message();
+            }
+          }
         }
       } else {
         why = "cuMemGetAddressRange: " + cuda::result_text(&api, rc);
@@ -236,27 +237,33 @@ int IpcImports::ordinal_of(const std::array<char, 16>& bus, int fallback) const 
   return fallback;
 }
 
-CUresult IpcImports::import(Mapping& m, const FetchFd& fetch, std::string& why) {
+namespace {
+
+Error unopened(const std::string& why) {
+  return Error(ErrorCode::AccessDenied, "cuda_ipc: cannot open the owner's memory (" + why + ")");
+}
+
+}  // namespace
+
+void IpcImports::import(Mapping& m, const FetchFd& fetch) {
   if (api_.mem_import_from_shareable_handle == nullptr || api_.mem_address_reserve == nullptr ||
-      api_.mem_map == nullptr || api_.mem_set_access == nullptr) {
-    why = "this driver has no virtual memory management";
-    return CUDA_ERROR_NOT_SUPPORTED;
-  }
-  const int fd = fetch ? fetch(m.range.fd) : -1;
-  if (fd < 0) {
-    why = "cannot take the owner's fd " + std::to_string(m.range.fd) + ": " +
-          std::string(std::strerror(errno));
-    return CUDA_ERROR_OPERATING_SYSTEM;
+      api_.mem_map == nullptr || api_.mem_set_access == nullptr)
+    throw unopened("this driver has no virtual memory management");
+  if (!fetch) throw unopened("the owner's fds cannot be taken here");
+  int fd = -1;
+  try {
+    fd = fetch(m.range.fd);
+  } catch (const Error& e) {
+    throw unopened("cannot take the owner's fd " + std::to_string(m.range.fd) + ": " + e.message());
   }
   CUmemGenericAllocationHandle handle = 0;
   CUresult rc = api_.mem_import_from_shareable_handle(
       &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   ::close(fd);
-  if (rc != CUDA_SUCCESS) {
-    why = "cuMemImportFromShareableHandle: " + cuda::result_text(&api_, rc);
-    return rc;
-  }
+  if (rc != CUDA_SUCCESS)
+    throw unopened("cuMemImportFromShareableHandle: " + cuda::result_text(&api_, rc));
+  std::string why;
   rc = api_.mem_address_reserve(&m.local, m.range.size, 0, 0, 0);
   if (rc != CUDA_SUCCESS) {
     why = "cuMemAddressReserve: " + cuda::result_text(&api_, rc);
@@ -276,7 +283,15 @@ CUresult IpcImports::import(Mapping& m, const FetchFd& fetch, std::string& why) 
     }
   }
   (void)api_.mem_release(handle);  // the mapping holds the allocation from here
-  return rc;
+  if (rc != CUDA_SUCCESS) throw unopened(why);
+}
+
+void IpcImports::open_legacy(Mapping& m) {
+  CUipcMemHandle handle{};
+  std::memcpy(handle.reserved, m.range.handle.data(), m.range.handle.size());
+  if (CUresult rc = api_.ipc_open_mem_handle(&m.local, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      rc != CUDA_SUCCESS)
+    throw unopened("cuIpcOpenMemHandle: " + cuda::result_text(&api_, rc));
 }
 
 void IpcImports::open(const std::vector<IpcRange>& ranges, int fallback, const FetchFd& fetch) {
@@ -305,22 +320,15 @@ void IpcImports::open(const std::vector<IpcRange>& ranges, int fallback, const F
       throw Error(ErrorCode::Internal,
                   "cuda_ipc: no context for cuda:" + std::to_string(m.ordinal) + ": " +
                       cuda::result_text(&api_, rc));
-    std::string why;
-    {
+    try {
       cuda::ScopedContext scope(api_, m.context);
-      if (r.kind == IpcKind::vmm) {
-        rc = import(m, fetch, why);
-      } else {
-        CUipcMemHandle handle{};
-        std::memcpy(handle.reserved, r.handle.data(), r.handle.size());
-        rc = api_.ipc_open_mem_handle(&m.local, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
-        if (rc != CUDA_SUCCESS) why = "cuIpcOpenMemHandle: " + cuda::result_text(&api_, rc);
-      }
-    }
-    if (rc != CUDA_SUCCESS) {
+      if (r.kind == IpcKind::vmm)
+        import(m, fetch);
+      else
+        open_legacy(m);
+    } catch (const Error&) {
       (void)api_.device_primary_ctx_release(m.device);
-      throw Error(ErrorCode::AccessDenied,
-                  "cuda_ipc: cannot open the owner's memory (" + why + ")");
+      throw;
     }
     ++opens_;
     mappings_.emplace(r.base, m);

@@ -65,10 +65,10 @@ class VmmExports {
   VmmExports& operator=(const VmmExports&) = delete;
 
   /// Fills `range.fd` and `range.generation` for the VMM allocation mapped at `range.base`
-  /// (`range.size` bytes), exporting it if it is new there; false with `why` when it is no VMM
-  /// allocation, or one made without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR. The caller has
-  /// the device's context current.
-  bool share(IpcRange& range, std::string& why);
+  /// (`range.size` bytes), exporting it if it is new there. Throws Error(Unsupported) naming
+  /// the driver's answer when it is no VMM allocation, or one made without
+  /// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR. The caller has the device's context current.
+  void share(IpcRange& range);
   std::size_t exported() const noexcept { return exports_; }
 
  private:
@@ -94,7 +94,8 @@ class VmmExports {
 std::vector<IpcRange> export_ranges(const cuda::CudaApi& api, const std::vector<Region>& regions,
                                     VmmExports* vmm);
 
-/// Takes a copy of the owner's fd `fd` into this process; -1 with errno set when it cannot.
+/// Takes a copy of the owner's fd `fd` into this process (for the caller to close); throws
+/// Error naming the refusal when it cannot.
 using FetchFd = std::function<int(int fd)>;
 
 class IpcImports {
@@ -134,8 +135,11 @@ class IpcImports {
   void close(Mapping& m);
   /// The local ordinal of the device with bus id `bus`, or `fallback`.
   int ordinal_of(const std::array<char, 16>& bus, int fallback) const;
-  /// Maps a VMM allocation (m.range) into this process; the context is current.
-  CUresult import(Mapping& m, const FetchFd& fetch, std::string& why);
+  /// Maps a VMM allocation (m.range) into this process; the context is current. Throws
+  /// Error(AccessDenied) naming the call that failed.
+  void import(Mapping& m, const FetchFd& fetch);
+  /// Opens a legacy IPC handle (m.range); the context is current. Throws as import() does.
+  void open_legacy(Mapping& m);
 
   const cuda::CudaApi& api_;
   std::map<std::uint64_t, Mapping> mappings_;  // by owner base (the owner's addresses are unique)

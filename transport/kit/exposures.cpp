@@ -56,11 +56,13 @@ std::uint64_t Exposures::exposed(std::uint64_t id) const {
   return total;
 }
 
-std::string Exposures::unwritten(std::uint64_t id) const {
+std::optional<Error> Exposures::unwritten(std::uint64_t id, const std::string& peer) const {
   const std::uint64_t all = exposed(id);
   const std::uint64_t some = written(id);
-  if (some >= all) return {};
-  return "after writing " + std::to_string(some) + " of " + std::to_string(all) + " bytes";
+  if (some >= all) return std::nullopt;
+  return Error(ErrorCode::ProtocolError, "peer " + peer + " said it was done after writing " +
+                                             std::to_string(some) + " of " + std::to_string(all) +
+                                             " bytes");
 }
 
 void Exposures::sending(std::uint64_t id) {

@@ -69,9 +69,10 @@ class Exposures {
   /// Bytes of a writable written at least once, and bytes it exposes.
   std::uint64_t written(std::uint64_t id) const;
   std::uint64_t exposed(std::uint64_t id) const;
-  /// For a writable whose peer says it is done: empty when every exposed byte was written at
-  /// least once (bytes written twice do not count twice), else "after writing W of E bytes".
-  std::string unwritten(std::uint64_t id) const;
+  /// For a writable whose peer `peer` says it is done: why it is not (ProtocolError: "peer P
+  /// said it was done after writing W of E bytes"); none when every exposed byte was written
+  /// at least once (bytes written twice do not count twice).
+  std::optional<Error> unwritten(std::uint64_t id, const std::string& peer) const;
 
   /// A send reading the memory of readable `id` started / finished. sent() returns true when
   /// the peer already said it was done and this was the last send: finish it now.

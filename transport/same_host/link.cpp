@@ -40,13 +40,14 @@ Link::Link(const Context& ctx, Client& client, std::string method, std::uint64_t
     throw Error(why->code(), method_ + ": " + who + ": " + why->message());
   owner_->pid = info.scope.pid;
   // Pin the process first: from here on its pid cannot mean another process to us.
-  owner_->pidfd = open_pidfd(info.scope.pid);
-  if (owner_->pidfd < 0 && errno != ENOSYS) {
-    // In our own PID namespace: the owner is gone, which another method cannot fix either.
-    const int err = errno;
-    throw Error(err == ESRCH ? ErrorCode::PeerLost : ErrorCode::Unsupported,
-                method_ + ": no process " + std::to_string(info.scope.pid) + " for " + who + ": " +
-                    errno_text(err));
+  // (A kernel without pidfd_open gives none: the link goes on without it.)
+  try {
+    owner_->pidfd = open_pidfd(info.scope.pid);
+  } catch (const Error& e) {
+    // In our own PID namespace, PeerLost: the owner is gone, which another method cannot fix
+    // either.
+    throw Error(e.code(), method_ + ": no process " + std::to_string(info.scope.pid) + " for " +
+                              who + " (" + e.message() + ")");
   }
   sockaddr_un addr{};
   socklen_t len = 0;
@@ -74,12 +75,12 @@ Link::Link(const Context& ctx, Client& client, std::string method, std::uint64_t
                                              "'s (it belongs to pid " + std::to_string(cred.pid) +
                                              ")");
   }
-  const int grants = fetch_fd(owner_->pidfd, info.scope.pid, info.grants_fd);
-  if (grants < 0) {
-    const int err = errno;
+  int grants = -1;
+  try {
+    grants = fetch_fd(owner_->pidfd, info.scope.pid, info.grants_fd);
+  } catch (const Error& e) {
     ::close(sock);
-    throw Error(ErrorCode::Unsupported,
-                method_ + ": cannot take the grant table of " + who + ": " + errno_text(err));
+    throw Error(e.code(), method_ + ": cannot take the grant table of " + who + ": " + e.message());
   }
   try {
     owner_->grants = std::make_unique<GrantView>(grants, info.grants_bytes);
@@ -103,7 +104,7 @@ std::string Link::describe() const {
   return "peer '" + peer_name_ + "' (pid " + std::to_string(owner_->pid) + ")";
 }
 
-std::string Link::on_hello(StreamConnection&, const FrameHeader& hello, FrameHeader&) {
+std::optional<Error> Link::on_hello(StreamConnection&, const FrameHeader& hello, FrameHeader&) {
   // The owner's probe: the nonce its HELLO gives must be what this connection's probe address
   // holds in the process behind the socket. This also asks the kernel whether we may copy at
   // all (ptrace rules).
@@ -120,20 +121,20 @@ std::string Link::on_hello(StreamConnection&, const FrameHeader& hello, FrameHea
           " (ptrace rules: Yama's ptrace_scope, or the owner's credentials or user namespace "
           "differ from ours)";
     refusal_ = Error(err == ESRCH ? ErrorCode::PeerLost : ErrorCode::Unsupported, why);
-    return why;
+    return refusal_;
   }
   if (!tokens_equal(seen, hello.token)) {
-    const std::string why = method_ + ": process " + std::to_string(owner_->pid) + " is not " +
-                            describe() + " (its probe does not hold the nonce)";
-    refusal_ = Error(ErrorCode::Unsupported, why);
-    return why;
+    refusal_ = Error(ErrorCode::Unsupported, method_ + ": process " + std::to_string(owner_->pid) +
+                                                 " is not " + describe() +
+                                                 " (its probe does not hold the nonce)");
+    return refusal_;
   }
   proven_ = true;
   std::vector<std::uint64_t> unsent = std::move(unsent_);
   unsent_.clear();
   for (std::uint64_t id : unsent)
     if (Claimant* c = client_.claimant(id)) send_claim(id, *c);
-  return {};
+  return std::nullopt;
 }
 
 void Link::attach(std::uint64_t transfer) {

@@ -96,7 +96,7 @@ class Link final : private wire::StreamConnection::Handler {
   /// The owner's process, for copies.
   const std::shared_ptr<OwnerProcess>& owner() const noexcept { return owner_; }
   /// A copy was refused by the kernel (EPERM): later transfers toward this owner fall back.
-  std::string refused;
+  std::optional<Error> refused;
   /// What the method keeps per owner for as long as the link lives (cuda_ipc: the owner's
   /// memory opened here).
   class Extra {
@@ -125,8 +125,8 @@ class Link final : private wire::StreamConnection::Handler {
                   bool intact) override;
   void on_sent(wire::StreamConnection&, std::uint64_t) override {}
   void on_closed(wire::StreamConnection& conn, const std::string& reason) override;
-  std::string on_hello(wire::StreamConnection& conn, const wire::FrameHeader& hello,
-                       wire::FrameHeader& reply) override;
+  std::optional<Error> on_hello(wire::StreamConnection& conn, const wire::FrameHeader& hello,
+                                wire::FrameHeader& reply) override;
 
   void send_claim(std::uint64_t transfer, Claimant& c);
   wire::Sink on_claimed(const wire::FrameHeader& h);

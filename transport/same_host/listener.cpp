@@ -97,7 +97,13 @@ void Listener::accept(int fd) {
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
     p.pid = cred.pid;
     // Watching the peer's process lets revoke() stop waiting for a peer that died mid-copy.
-    p.pidfd = open_pidfd(cred.pid);
+    // Without one (the peer is gone already, or the kernel refuses), revoke() cannot see it
+    // exit and waits for peer_timeout at most.
+    try {
+      p.pidfd = open_pidfd(cred.pid);
+    } catch (const Error&) {
+      p.pidfd = -1;
+    }
   }
   const std::uint64_t id = next_conn_++;
   conns_.add(id, std::make_unique<StreamConnection>(
@@ -120,7 +126,8 @@ void Listener::evict(std::uint64_t id, const std::string& why) {
   conn->fail(why);
 }
 
-std::string Listener::on_hello(StreamConnection& conn, const FrameHeader&, FrameHeader& reply) {
+std::optional<Error> Listener::on_hello(StreamConnection& conn, const FrameHeader&,
+                                        FrameHeader& reply) {
   socket_->admission().heard(conn.id());
   // This connection's probe: a nonce of its own, at an address of this process. The peer
   // reads it there; nobody else learns it.
@@ -128,7 +135,7 @@ std::string Listener::on_hello(StreamConnection& conn, const FrameHeader&, Frame
   p.probe = std::make_unique<Token>(random_token());
   reply.addr = reinterpret_cast<std::uint64_t>(p.probe->data());
   reply.token = *p.probe;
-  return {};
+  return std::nullopt;
 }
 
 bool Listener::peer_idle(std::uint64_t conn_id) const {
@@ -337,11 +344,9 @@ void Listener::serve_done(StreamConnection& conn, const FrameHeader& h,
     // Every range of the claim was copied under the grant before the peer said DONE. A
     // writable is complete only when they cover every byte it exposes.
     for (const auto& [addr, len] : claim->second.ranges) exposures_.landed(h.op_id, addr, len);
-    if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {
-      const Error why(ErrorCode::ProtocolError,
-                      "peer " + conn.describe_peer() + " said it was done " + short_of);
-      reply(conn, h.req_id, &why);
-      finish_exposure(h.op_id, why);
+    if (auto short_of = exposures_.unwritten(h.op_id, conn.describe_peer())) {
+      reply(conn, h.req_id, &*short_of);
+      finish_exposure(h.op_id, *short_of);
       return;
     }
   }

@@ -51,6 +51,17 @@ std::optional<Error> scope_mismatch(const ProcessScope& owner) {
   return std::nullopt;
 }
 
+OwnerInfo parse_endpoint(const Endpoint& endpoint) {
+  sockaddr_un addr{};
+  socklen_t len = 0;
+  if (!socket_address(endpoint.address, addr, len))
+    throw Error(
+        ErrorCode::InvalidMetadata,
+        endpoint.method + " endpoint '" + endpoint.address + "' is not an abstract socket name",
+        "endpoints");
+  return parse_info(endpoint.info);
+}
+
 bool socket_address(const std::string& address, sockaddr_un& out, socklen_t& len) {
   if (address.size() < 2 || address.front() != '@' || address.size() > sizeof out.sun_path)
     return false;

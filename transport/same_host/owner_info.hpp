@@ -27,6 +27,10 @@ OwnerInfo parse_info(const std::string& info);
 /// Why a process of `owner`'s scope cannot be reached from this one (another boot, or another
 /// PID namespace): Unsupported; none when it can.
 std::optional<Error> scope_mismatch(const ProcessScope& owner);
+/// The owner's info of a same-host endpoint (cma's, cuda_ipc's). Throws
+/// Error(InvalidMetadata, field "endpoints") naming what is wrong: an address that is no
+/// abstract socket name, or info that does not parse.
+OwnerInfo parse_endpoint(const Endpoint& endpoint);
 /// Parses "@name" into an abstract Unix socket address; false if malformed.
 bool socket_address(const std::string& address, sockaddr_un& out, socklen_t& len);
 

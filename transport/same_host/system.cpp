@@ -53,11 +53,12 @@ int yama_ptrace_scope() {
   return v[0] - '0';
 }
 
-std::string unavailable_reason(bool ptracer_any) {
+std::optional<Error> unavailable_reason(bool ptracer_any) {
   const ProcessScope self = this_process();
   if (self.boot_id.empty() || self.pid_ns == 0)
-    return "cannot tell which host and PID namespace this is (/proc/sys/kernel/random/boot_id "
-           "or /proc/self/ns/pid unreadable)";
+    return Error(ErrorCode::Unsupported,
+                 "cannot tell which host and PID namespace this is "
+                 "(/proc/sys/kernel/random/boot_id or /proc/self/ns/pid unreadable)");
   // The system call on ourselves: refused only by seccomp, or missing from the kernel.
   static const char probe[8] = "ferry";
   char out[8] = {};
@@ -65,27 +66,31 @@ std::string unavailable_reason(bool ptracer_any) {
   iovec remote{const_cast<char*>(probe), sizeof probe};
   if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != sizeof probe) {
     const int err = errno;
-    if (err == ENOSYS) return "this kernel has no process_vm_readv";
-    return "process_vm_readv is refused even on this process (" + errno_text(err) +
-           "): a seccomp filter, as a container without CAP_SYS_PTRACE has";
+    if (err == ENOSYS) return Error(ErrorCode::Unsupported, "this kernel has no process_vm_readv");
+    return Error(ErrorCode::Unsupported,
+                 "process_vm_readv is refused even on this process (" + errno_text(err) +
+                     "): a seccomp filter, as a container without CAP_SYS_PTRACE has");
   }
   return yama_reason(yama_ptrace_scope(), ptracer_any);
 }
 
-std::string yama_reason(int scope, bool ptracer_any) {
+std::optional<Error> yama_reason(int scope, bool ptracer_any) {
   switch (scope) {
     case 1:
-      if (ptracer_any) return {};
-      return "kernel.yama.ptrace_scope is 1: only this process's ancestors may read its memory, "
-             "so peers cannot; set the sysctl to 0, or CmaOptions::ptracer_any "
-             "(FERRY_CMA_PTRACER_ANY=1) to let processes of the same user in";
+      if (ptracer_any) return std::nullopt;
+      return Error(ErrorCode::Unsupported,
+                   "kernel.yama.ptrace_scope is 1: only this process's ancestors may read its "
+                   "memory, so peers cannot; set the sysctl to 0, or CmaOptions::ptracer_any "
+                   "(FERRY_CMA_PTRACER_ANY=1) to let processes of the same user in");
     case 2:
-      return "kernel.yama.ptrace_scope is 2: only processes with CAP_SYS_PTRACE may read "
-             "another's memory";
+      return Error(ErrorCode::Unsupported,
+                   "kernel.yama.ptrace_scope is 2: only processes with CAP_SYS_PTRACE may read "
+                   "another's memory");
     case 3:
-      return "kernel.yama.ptrace_scope is 3: no process may read another's memory";
+      return Error(ErrorCode::Unsupported,
+                   "kernel.yama.ptrace_scope is 3: no process may read another's memory");
     default:
-      return {};
+      return std::nullopt;
   }
 }
 
@@ -96,32 +101,42 @@ bool ptracer_any(const ConnectorOptions& o) {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-std::string allow_any_ptracer() {
+void allow_any_ptracer() {
   if (::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0)
-    return "prctl(PR_SET_PTRACER_ANY): " + errno_text(errno);
-  return {};
+    throw Error(ErrorCode::Unsupported, "prctl(PR_SET_PTRACER_ANY): " + errno_text(errno));
 }
 
-int open_pidfd(std::int64_t pid) noexcept {
+int open_pidfd(std::int64_t pid) {
 #ifdef SYS_pidfd_open
-  return static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+  const int fd = static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+  if (fd >= 0) return fd;
+  const int err = errno;
+  if (err == ENOSYS) return -1;
+  throw Error(err == ESRCH ? ErrorCode::PeerLost : ErrorCode::Unsupported,
+              "pidfd_open of process " + std::to_string(pid) + ": " + errno_text(err));
 #else
   (void)pid;
-  errno = ENOSYS;
   return -1;
 #endif
 }
 
-int fetch_fd(int pidfd, std::int64_t pid, int fd) noexcept {
+int fetch_fd(int pidfd, std::int64_t pid, int fd) {
 #ifdef SYS_pidfd_getfd
   if (pidfd >= 0) {
     const int got = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, fd, 0));
-    if (got >= 0 || errno != ENOSYS) return got;
+    if (got >= 0) return got;
+    const int err = errno;
+    if (err != ENOSYS)
+      throw Error(ErrorCode::Unsupported, "pidfd_getfd of fd " + std::to_string(fd) +
+                                              " of process " + std::to_string(pid) + ": " +
+                                              errno_text(err));
   }
 #endif
   // Older kernels: the same permission check (ptrace read access) through /proc.
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  return ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  const int got = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (got < 0) throw Error(ErrorCode::Unsupported, "opening " + path + ": " + errno_text(errno));
+  return got;
 }
 
 bool process_exited(int pidfd) noexcept {

@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <ferry/options.hpp>
@@ -28,26 +29,34 @@ ProcessScope this_process();
 /// /proc/sys/kernel/yama/ptrace_scope: 0 to 3, or -1 when Yama is not there.
 int yama_ptrace_scope();
 
-/// Why peers cannot copy from or into this process with process_vm_* (empty: they can):
-/// the system call refused even on ourselves (seccomp, no kernel support), or Yama's ptrace
-/// scope. `ptracer_any`: scope 1 is acceptable because the caller will call allow_any_ptracer().
-std::string unavailable_reason(bool ptracer_any);
+/// Why peers cannot copy from or into this process with process_vm_* (Unsupported): the
+/// system call refused even on ourselves (seccomp, no kernel support), or Yama's ptrace scope;
+/// none when they can. `ptracer_any`: scope 1 is acceptable because the caller will call
+/// allow_any_ptracer().
+std::optional<Error> unavailable_reason(bool ptracer_any);
 
-/// What Yama's ptrace scope `scope` (-1: no Yama) means for peers that would read this
-/// process: empty when they may.
-std::string yama_reason(int scope, bool ptracer_any);
+/// Why Yama's ptrace scope `scope` (-1: no Yama) keeps peers from reading this process
+/// (Unsupported); none when they may.
+std::optional<Error> yama_reason(int scope, bool ptracer_any);
 
 /// CmaOptions::ptracer_any, or FERRY_CMA_PTRACER_ANY=1 where the environment is read: whether
 /// a same-host method lets any process of the same user in under Yama scope 1.
 bool ptracer_any(const ConnectorOptions& options);
 
 /// prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY): under Yama scope 1, any process of the same user
-/// may then read this one. Returns the error text, or empty.
-std::string allow_any_ptracer();
+/// may then read this one. Throws Error(Unsupported) naming errno when the kernel refuses.
+void allow_any_ptracer();
 
-/// pidfd_open / pidfd_getfd (or, without pidfd_getfd, /proc/<pid>/fd/<n>). -1 with errno set.
-int open_pidfd(std::int64_t pid) noexcept;
-int fetch_fd(int pidfd, std::int64_t pid, int fd) noexcept;
+/// pidfd_open: a descriptor that pins process `pid` (its pid cannot mean another process while
+/// the descriptor is open), for the caller to close. -1 when this kernel has no pidfd_open: the
+/// caller goes on without one. Throws Error(PeerLost) when there is no such process,
+/// Error(Unsupported) when the kernel refuses, naming errno.
+int open_pidfd(std::int64_t pid);
+/// A copy of process `pid`'s descriptor `fd` in this process, for the caller to close: by
+/// pidfd_getfd through `pidfd`, or, without it (no pidfd, or an older kernel), by opening
+/// /proc/<pid>/fd/<fd> (the same permission check: ptrace read access). Throws
+/// Error(Unsupported) naming the call and errno when it is refused.
+int fetch_fd(int pidfd, std::int64_t pid, int fd);
 /// Whether the process behind `pidfd` has exited (false when pidfd < 0: unknown).
 bool process_exited(int pidfd) noexcept;
 

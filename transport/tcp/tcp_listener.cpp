@@ -98,9 +98,10 @@ void TcpListener::evict(std::uint64_t id, const std::string& why) {
   conn->fail(why);
 }
 
-std::string TcpListener::on_hello(StreamConnection& conn, const FrameHeader&, FrameHeader&) {
+std::optional<Error> TcpListener::on_hello(StreamConnection& conn, const FrameHeader&,
+                                           FrameHeader&) {
   socket_->admission().heard(conn.id());
-  return {};
+  return std::nullopt;
 }
 
 void TcpListener::expose(const Exposure& exposure, ExposureObserver& observer) {
@@ -280,11 +281,9 @@ void TcpListener::serve_done(StreamConnection& conn, const FrameHeader& h,
   }
   if (h.status == 0 && access == Access::write) {
     // A writable is complete only when every byte it exposes was written at least once.
-    if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {
-      const Error why(ErrorCode::ProtocolError,
-                      "peer " + conn.describe_peer() + " said it was done " + short_of);
-      reply(conn, h.req_id, &why);
-      finish_exposure(h.op_id, why);
+    if (auto short_of = exposures_.unwritten(h.op_id, conn.describe_peer())) {
+      reply(conn, h.req_id, &*short_of);
+      finish_exposure(h.op_id, *short_of);
       return;
     }
   }

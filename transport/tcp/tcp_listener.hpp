@@ -70,8 +70,8 @@ class TcpListener final : private wire::StreamConnection::Handler {
                   bool intact) override;
   void on_sent(wire::StreamConnection& conn, std::uint64_t tag) override;
   void on_closed(wire::StreamConnection& conn, const std::string& reason) override;
-  std::string on_hello(wire::StreamConnection& conn, const wire::FrameHeader& hello,
-                       wire::FrameHeader& reply) override;
+  std::optional<Error> on_hello(wire::StreamConnection& conn, const wire::FrameHeader& hello,
+                                wire::FrameHeader& reply) override;
 
   void accept(int fd);
   void evict(std::uint64_t conn_id, const std::string& why);

@@ -13,13 +13,6 @@ namespace ferry::transport::tcp {
 
 namespace {
 
-// The address of a tcp endpoint in `out`, or why start() refuses it.
-std::optional<Error> parse_endpoint(const Endpoint& endpoint, wire::SocketAddress& out) {
-  if (wire::SocketAddress::parse(endpoint.address, out)) return std::nullopt;
-  return Error(ErrorCode::InvalidMetadata,
-               "tcp endpoint '" + endpoint.address + "' is not a numeric ip:port", "endpoints");
-}
-
 wire::SocketAddress bind_address(const Context& ctx, const TcpOptions& o) {
   wire::SocketAddress bind;
   if (!wire::SocketAddress::from_parts(ctx.bind_address, o.port, bind))
@@ -86,14 +79,12 @@ std::string TcpTransport::expose(const Exposure& exposure, ExposureObserver& obs
 void TcpTransport::revoke(std::uint64_t id, const Error& reason) { listener_->revoke(id, reason); }
 
 std::optional<Error> TcpTransport::endpoint_error(const Endpoint& endpoint) const {
-  wire::SocketAddress addr;
-  return parse_endpoint(endpoint, addr);
+  return refusal([&] { (void)wire::endpoint_address(endpoint); });
 }
 
 std::unique_ptr<Transfer> TcpTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  wire::SocketAddress addr;
-  if (auto e = parse_endpoint(spec.endpoint, addr)) throw *e;
+  const wire::SocketAddress addr = wire::endpoint_address(spec.endpoint);
   auto handle = transfers_.make(std::move(spec), observer);
   auto* t = &handle->get();
   try {

@@ -67,8 +67,8 @@ void VerbsClient::close() {
 }
 
 std::unique_ptr<Transfer> VerbsClient::start(TransferSpec spec, TransferObserver& observer) {
-  wire::SocketAddress dst;
-  wire::SocketAddress::parse(spec.endpoint.address, dst);  // checked by the transport
+  // An endpoint that does not parse is bad metadata: thrown, not a set-up failure.
+  const wire::SocketAddress dst = wire::endpoint_address(spec.endpoint);
   auto handle = transfers_.make(std::move(spec), observer);
   auto* t = &handle->get();
   for (const Segment& s : t->spec.segments) {

@@ -334,11 +334,9 @@ void VerbsServer::serve_done(Conn& conn, const FrameHeader& h, const std::string
     // DONE came after the peer's writes on the same queue pair: they are in place. A writable
     // is complete only when its claimed ranges cover every byte it exposes.
     for (const auto& [addr, len] : sit->second->ranges) exposures_.landed(h.op_id, addr, len);
-    if (auto short_of = exposures_.unwritten(h.op_id); !short_of.empty()) {
-      const Error why(ErrorCode::ProtocolError,
-                      "peer " + conn.describe() + " said it was done " + short_of);
-      reply(conn, h.req_id, &why);
-      finish_exposure(h.op_id, why);
+    if (auto short_of = exposures_.unwritten(h.op_id, conn.describe())) {
+      reply(conn, h.req_id, &*short_of);
+      finish_exposure(h.op_id, *short_of);
       return;
     }
   }

@@ -51,13 +51,6 @@ std::uint64_t ptr_id(void* p) {
   return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p));
 }
 
-std::optional<Error> parse_endpoint(const Endpoint& endpoint, wire::SocketAddress& out) {
-  if (wire::SocketAddress::parse(endpoint.address, out)) return std::nullopt;
-  return Error(ErrorCode::InvalidMetadata,
-               "verbs endpoint address '" + endpoint.address + "' is not a numeric ip:port",
-               "endpoints");
-}
-
 }  // namespace
 
 std::optional<Error> VerbsTransport::unavailable(const VerbsApi* api) {
@@ -126,13 +119,11 @@ std::vector<Endpoint> VerbsTransport::endpoints() const {
 }
 
 std::optional<Error> VerbsTransport::endpoint_error(const Endpoint& endpoint) const {
-  wire::SocketAddress a;
-  return parse_endpoint(endpoint, a);
+  return refusal([&] { (void)wire::endpoint_address(endpoint); });
 }
 
 std::optional<Error> VerbsTransport::unreachable(const Endpoint& endpoint) const {
-  wire::SocketAddress a;
-  return parse_endpoint(endpoint, a);
+  return endpoint_error(endpoint);
 }
 
 void VerbsTransport::close() {
@@ -222,8 +213,6 @@ void VerbsTransport::revoke(std::uint64_t id, const Error& reason) { server_->re
 
 std::unique_ptr<Transfer> VerbsTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
-  wire::SocketAddress dst;
-  if (auto e = parse_endpoint(spec.endpoint, dst)) throw *e;
   return client_->start(std::move(spec), observer);
 }
 

@@ -59,6 +59,15 @@ bool SocketAddress::parse(std::string_view text, SocketAddress& out) {
   return from_parts(host, static_cast<std::uint16_t>(port), out);
 }
 
+SocketAddress endpoint_address(const Endpoint& endpoint) {
+  SocketAddress out;
+  if (!SocketAddress::parse(endpoint.address, out))
+    throw Error(ErrorCode::InvalidMetadata,
+                endpoint.method + " endpoint '" + endpoint.address + "' is not a numeric ip:port",
+                "endpoints");
+  return out;
+}
+
 bool SocketAddress::is_wildcard() const noexcept {
   if (family() == AF_INET)
     return reinterpret_cast<const sockaddr_in*>(&storage)->sin_addr.s_addr == htonl(INADDR_ANY);

@@ -6,6 +6,8 @@
 #include <string>
 #include <string_view>
 
+#include <ferry/rdma_metadata.hpp>
+
 namespace ferry::transport::wire {
 
 /// A numeric socket address: "127.0.0.1:4000" or "[::1]:4000".
@@ -25,6 +27,10 @@ struct SocketAddress {
   std::uint16_t port() const noexcept;
   std::string to_string() const;
 };
+
+/// The address of an endpoint that names a numeric ip:port (tcp's, verbs'). Throws
+/// Error(InvalidMetadata, field "endpoints") for anything else.
+SocketAddress endpoint_address(const Endpoint& endpoint);
 
 /// Non-blocking, close-on-exec stream socket with ferry's options: no Nagle delay, and a
 /// keepalive plus user timeout so that a silent peer is dropped after about `peer_timeout`.

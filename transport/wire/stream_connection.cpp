@@ -448,8 +448,8 @@ Sink StreamConnection::greet(const FrameHeader& h, std::string message) {
   FrameHeader reply;
   reply.type = FrameType::hello;
   reply.op_id = local_.id;
-  if (std::string refused = handler_.on_hello(*this, h, reply); !refused.empty()) {
-    fail(refused);
+  if (auto refused = handler_.on_hello(*this, h, reply)) {
+    fail(refused->message());
     return {};
   }
   if (role_ == Role::server) send(reply, std::string_view(local_.name).substr(0, 256));

@@ -7,8 +7,11 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
+
+#include <ferry/error.hpp>
 
 #include "loop/log.hpp"
 #include "loop/uv_handle.hpp"
@@ -56,14 +59,14 @@ class StreamConnection : private FrameReader::Handler {
     /// The handler must not destroy the connection before that call has returned.
     virtual void on_closed(StreamConnection& conn, const std::string& reason) = 0;
     /// The peer's HELLO arrived (`hello` is its header; name and id are set on `conn`). A
-    /// server may add to `reply`, the HELLO it answers with. A non-empty return refuses the
-    /// peer: the connection fails with that reason.
-    virtual std::string on_hello(StreamConnection& conn, const FrameHeader& hello,
-                                 FrameHeader& reply) {
+    /// server may add to `reply`, the HELLO it answers with. Returns why the peer is refused
+    /// (the connection then fails with that message); none to go on.
+    virtual std::optional<Error> on_hello(StreamConnection& conn, const FrameHeader& hello,
+                                          FrameHeader& reply) {
       (void)conn;
       (void)hello;
       (void)reply;
-      return {};
+      return std::nullopt;
     }
   };
 

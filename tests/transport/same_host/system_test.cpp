@@ -8,6 +8,8 @@
 
 #include <cerrno>
 #include <chrono>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -37,14 +39,22 @@ TEST(System, AStoppedProcessIsSeenStoppedAndARunningOneNot) {
   EXPECT_FALSE(process_stopped(::getpid()));
 }
 
+// The reason Yama's scope gives, or "" when it lets peers in.
+std::string yama_text(int scope, bool ptracer_any) {
+  const std::optional<Error> why = yama_reason(scope, ptracer_any);
+  if (!why) return {};
+  EXPECT_EQ(why->code(), ErrorCode::Unsupported) << why->what();
+  return why->message();
+}
+
 TEST(Yama, EachScopeSaysWhatItMeansForPeers) {
-  EXPECT_EQ(yama_reason(-1, false), "");
-  EXPECT_EQ(yama_reason(0, false), "");
-  EXPECT_NE(yama_reason(1, false).find("ptracer_any"), std::string::npos);
-  EXPECT_EQ(yama_reason(1, true), "");
-  EXPECT_NE(yama_reason(2, false).find("CAP_SYS_PTRACE"), std::string::npos);
-  EXPECT_NE(yama_reason(2, true).find("CAP_SYS_PTRACE"), std::string::npos);
-  EXPECT_NE(yama_reason(3, true).find("no process"), std::string::npos);
+  EXPECT_EQ(yama_text(-1, false), "");
+  EXPECT_EQ(yama_text(0, false), "");
+  EXPECT_NE(yama_text(1, false).find("ptracer_any"), std::string::npos);
+  EXPECT_EQ(yama_text(1, true), "");
+  EXPECT_NE(yama_text(2, false).find("CAP_SYS_PTRACE"), std::string::npos);
+  EXPECT_NE(yama_text(2, true).find("CAP_SYS_PTRACE"), std::string::npos);
+  EXPECT_NE(yama_text(3, true).find("no process"), std::string::npos);
 }
 
 TEST(System, ThisProcessHasAScopeAndMayOfferCmaHere) {
@@ -54,8 +64,35 @@ TEST(System, ThisProcessHasAScopeAndMayOfferCmaHere) {
   EXPECT_EQ(self.pid, ::getpid());
   // This machine has no Yama (or scope 0) and no seccomp filter: the same-host method must be
   // on offer. Elsewhere the reason is printed.
-  if (yama_ptrace_scope() > 0) GTEST_SKIP() << unavailable_reason(false);
-  EXPECT_EQ(unavailable_reason(false), "");
+  const std::optional<Error> why = unavailable_reason(false);
+  if (yama_ptrace_scope() > 0) GTEST_SKIP() << (why ? why->message() : "Yama's scope is above 0");
+  EXPECT_FALSE(why) << why->what();
+}
+
+TEST(System, AProcessThatIsGoneCannotBePinnedAndItsFdsCannotBeTaken) {
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  // Reaped: no process has that pid (until it is reused, which takes a while).
+  try {
+    const int fd = open_pidfd(child);
+    if (fd < 0) GTEST_SKIP() << "this kernel has no pidfd_open";
+    ::close(fd);
+    ADD_FAILURE() << "pinned a process that is gone";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::PeerLost) << e.what();
+    EXPECT_NE(e.message().find("ESRCH"), std::string::npos) << e.what();
+  }
+  try {
+    const int fd = fetch_fd(-1, child, 0);
+    ::close(fd);
+    ADD_FAILURE() << "took an fd of a process that is gone";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported) << e.what();
+    EXPECT_NE(e.message().find("/proc/" + std::to_string(child) + "/fd/0"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(System, CopyGoesOnAfterAPartialCopyAndNamesTheFault) {
