@@ -324,9 +324,12 @@ json methods_facts(const Args& args) {
 /// there is none to ask.
 json rdma_facts() {
 #ifdef FERRY_INFO_WITH_VERBS
-  std::string why;
-  const ferry::transport::verbs::VerbsApi* api = ferry::transport::verbs::system_verbs(&why);
-  if (api == nullptr) return {{"usable", false}, {"error", why}, {"devices", json::array()}};
+  const ferry::transport::verbs::VerbsApi* api = nullptr;
+  try {
+    api = &ferry::transport::verbs::system_verbs();
+  } catch (const ferry::Error& e) {
+    return {{"usable", false}, {"error", e.message()}, {"devices", json::array()}};
+  }
   return json(ferry::transport::verbs::describe_devices(*api));
 #else
   return {{"usable", false},

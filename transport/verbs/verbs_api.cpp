@@ -3,6 +3,10 @@
 #include <dlfcn.h>
 
 #include <mutex>
+#include <optional>
+#include <string>
+
+#include <ferry/error.hpp>
 
 namespace ferry::transport::verbs {
 
@@ -21,106 +25,99 @@ int inline_req_notify_cq(ibv_cq* cq, int solicited) { return ibv_req_notify_cq(c
 ibv_mw* inline_alloc_mw(ibv_pd* pd, ibv_mw_type type) { return ibv_alloc_mw(pd, type); }
 int inline_dealloc_mw(ibv_mw* mw) { return ibv_dealloc_mw(mw); }
 
-struct Loaded {
-  VerbsApi api;
-  std::string why;
-  bool ok = false;
-};
-
+/// Binds `out` to `symbol` of `lib`; throws Error(Unsupported) when the library lacks it.
 template <class F>
-bool bind(void* lib, const char* symbol, F& out, std::string& why) {
+void bind(void* lib, const char* symbol, F& out) {
   void* p = ::dlsym(lib, symbol);
-  if (p == nullptr) {
-    if (why.empty()) why = std::string("the library lacks ") + symbol;
-    return false;
-  }
+  if (p == nullptr) throw Error(ErrorCode::Unsupported, std::string("the library lacks ") + symbol);
   out = reinterpret_cast<F>(p);
-  return true;
 }
 
-Loaded load() {
-  Loaded l;
+/// The table, bound; throws Error(Unsupported) naming what is missing.
+VerbsApi load() {
   void* ib = ::dlopen("libibverbs.so.1", RTLD_NOW | RTLD_LOCAL);
   if (ib == nullptr) {
     const char* e = ::dlerror();
-    l.why = std::string("libibverbs.so.1 cannot be loaded: ") + (e ? e : "unknown error");
-    return l;
+    throw Error(ErrorCode::Unsupported,
+                std::string("libibverbs.so.1 cannot be loaded: ") + (e ? e : "unknown error"));
   }
   void* cm = ::dlopen("librdmacm.so.1", RTLD_NOW | RTLD_LOCAL);
   if (cm == nullptr) {
     const char* e = ::dlerror();
-    l.why = std::string("librdmacm.so.1 cannot be loaded: ") + (e ? e : "unknown error");
-    return l;  // the libraries stay loaded for the life of the process, as they would linked
+    // The libraries stay loaded for the life of the process, as they would linked.
+    throw Error(ErrorCode::Unsupported,
+                std::string("librdmacm.so.1 cannot be loaded: ") + (e ? e : "unknown error"));
   }
-  VerbsApi& a = l.api;
+  VerbsApi a;
   a.name = "libibverbs";
-  std::string& w = l.why;
-  bool ok = bind(ib, "ibv_get_device_list", a.get_device_list, w);
-  ok &= bind(ib, "ibv_free_device_list", a.free_device_list, w);
-  ok &= bind(ib, "ibv_get_device_name", a.get_device_name, w);
-  ok &= bind(ib, "ibv_get_device_guid", a.get_device_guid, w);
-  ok &= bind(ib, "ibv_open_device", a.open_device, w);
-  ok &= bind(ib, "ibv_close_device", a.close_device, w);
-  ok &= bind(ib, "ibv_query_device", a.query_device, w);
-  ok &= bind(ib, "ibv_query_port", a.query_port, w);
-  ok &= bind(ib, "ibv_query_gid", a.query_gid, w);
-  ok &= bind(ib, "ibv_get_async_event", a.get_async_event, w);
-  ok &= bind(ib, "ibv_ack_async_event", a.ack_async_event, w);
-  ok &= bind(ib, "ibv_alloc_pd", a.alloc_pd, w);
-  ok &= bind(ib, "ibv_dealloc_pd", a.dealloc_pd, w);
-  ok &= bind(ib, "ibv_reg_mr", a.reg_mr, w);
-  ok &= bind(ib, "ibv_dereg_mr", a.dereg_mr, w);
-  {
-    std::string optional;  // a library without it still offers verbs, for host memory
-    (void)bind(ib, "ibv_reg_dmabuf_mr", a.reg_dmabuf_mr, optional);
-  }
-  ok &= bind(ib, "ibv_create_comp_channel", a.create_comp_channel, w);
-  ok &= bind(ib, "ibv_destroy_comp_channel", a.destroy_comp_channel, w);
-  ok &= bind(ib, "ibv_create_cq", a.create_cq, w);
-  ok &= bind(ib, "ibv_destroy_cq", a.destroy_cq, w);
-  ok &= bind(ib, "ibv_get_cq_event", a.get_cq_event, w);
-  ok &= bind(ib, "ibv_ack_cq_events", a.ack_cq_events, w);
-  ok &= bind(ib, "ibv_modify_qp", a.modify_qp, w);
+  bind(ib, "ibv_get_device_list", a.get_device_list);
+  bind(ib, "ibv_free_device_list", a.free_device_list);
+  bind(ib, "ibv_get_device_name", a.get_device_name);
+  bind(ib, "ibv_get_device_guid", a.get_device_guid);
+  bind(ib, "ibv_open_device", a.open_device);
+  bind(ib, "ibv_close_device", a.close_device);
+  bind(ib, "ibv_query_device", a.query_device);
+  bind(ib, "ibv_query_port", a.query_port);
+  bind(ib, "ibv_query_gid", a.query_gid);
+  bind(ib, "ibv_get_async_event", a.get_async_event);
+  bind(ib, "ibv_ack_async_event", a.ack_async_event);
+  bind(ib, "ibv_alloc_pd", a.alloc_pd);
+  bind(ib, "ibv_dealloc_pd", a.dealloc_pd);
+  bind(ib, "ibv_reg_mr", a.reg_mr);
+  bind(ib, "ibv_dereg_mr", a.dereg_mr);
+  // A library without it still offers verbs, for host memory.
+  if (void* p = ::dlsym(ib, "ibv_reg_dmabuf_mr"))
+    a.reg_dmabuf_mr = reinterpret_cast<decltype(a.reg_dmabuf_mr)>(p);
+  bind(ib, "ibv_create_comp_channel", a.create_comp_channel);
+  bind(ib, "ibv_destroy_comp_channel", a.destroy_comp_channel);
+  bind(ib, "ibv_create_cq", a.create_cq);
+  bind(ib, "ibv_destroy_cq", a.destroy_cq);
+  bind(ib, "ibv_get_cq_event", a.get_cq_event);
+  bind(ib, "ibv_ack_cq_events", a.ack_cq_events);
+  bind(ib, "ibv_modify_qp", a.modify_qp);
   a.post_send = inline_post_send;
   a.post_recv = inline_post_recv;
   a.poll_cq = inline_poll_cq;
   a.req_notify_cq = inline_req_notify_cq;
   a.alloc_mw = inline_alloc_mw;
   a.dealloc_mw = inline_dealloc_mw;
-  ok &= bind(cm, "rdma_create_event_channel", a.create_event_channel, w);
-  ok &= bind(cm, "rdma_destroy_event_channel", a.destroy_event_channel, w);
-  ok &= bind(cm, "rdma_get_devices", a.get_devices, w);
-  ok &= bind(cm, "rdma_free_devices", a.free_devices, w);
-  ok &= bind(cm, "rdma_create_id", a.create_id, w);
-  ok &= bind(cm, "rdma_destroy_id", a.destroy_id, w);
-  ok &= bind(cm, "rdma_bind_addr", a.bind_addr, w);
-  ok &= bind(cm, "rdma_listen", a.listen, w);
-  ok &= bind(cm, "rdma_resolve_addr", a.resolve_addr, w);
-  ok &= bind(cm, "rdma_resolve_route", a.resolve_route, w);
-  ok &= bind(cm, "rdma_create_qp", a.create_qp, w);
-  ok &= bind(cm, "rdma_destroy_qp", a.destroy_qp, w);
-  ok &= bind(cm, "rdma_connect", a.connect, w);
-  ok &= bind(cm, "rdma_accept", a.accept, w);
-  ok &= bind(cm, "rdma_reject", a.reject, w);
-  ok &= bind(cm, "rdma_disconnect", a.disconnect, w);
-  ok &= bind(cm, "rdma_get_cm_event", a.get_cm_event, w);
-  ok &= bind(cm, "rdma_ack_cm_event", a.ack_cm_event, w);
-  ok &= bind(cm, "rdma_get_src_port", a.get_src_port, w);
-  l.ok = ok;
-  return l;
+  bind(cm, "rdma_create_event_channel", a.create_event_channel);
+  bind(cm, "rdma_destroy_event_channel", a.destroy_event_channel);
+  bind(cm, "rdma_get_devices", a.get_devices);
+  bind(cm, "rdma_free_devices", a.free_devices);
+  bind(cm, "rdma_create_id", a.create_id);
+  bind(cm, "rdma_destroy_id", a.destroy_id);
+  bind(cm, "rdma_bind_addr", a.bind_addr);
+  bind(cm, "rdma_listen", a.listen);
+  bind(cm, "rdma_resolve_addr", a.resolve_addr);
+  bind(cm, "rdma_resolve_route", a.resolve_route);
+  bind(cm, "rdma_create_qp", a.create_qp);
+  bind(cm, "rdma_destroy_qp", a.destroy_qp);
+  bind(cm, "rdma_connect", a.connect);
+  bind(cm, "rdma_accept", a.accept);
+  bind(cm, "rdma_reject", a.reject);
+  bind(cm, "rdma_disconnect", a.disconnect);
+  bind(cm, "rdma_get_cm_event", a.get_cm_event);
+  bind(cm, "rdma_ack_cm_event", a.ack_cm_event);
+  bind(cm, "rdma_get_src_port", a.get_src_port);
+  return a;
 }
 
 }  // namespace
 
-const VerbsApi* system_verbs(std::string* why) {
+const VerbsApi& system_verbs() {
   static std::once_flag once;
-  static Loaded loaded;
-  std::call_once(once, [] { loaded = load(); });
-  if (!loaded.ok) {
-    if (why != nullptr) *why = loaded.why;
-    return nullptr;
-  }
-  return &loaded.api;
+  static VerbsApi api;
+  static std::optional<Error> error;
+  std::call_once(once, [] {
+    try {
+      api = load();
+    } catch (const Error& e) {
+      error = e;
+    }
+  });
+  if (error) throw *error;
+  return api;
 }
 
 const char* wc_status_text(ibv_wc_status status) {

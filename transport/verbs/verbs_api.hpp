@@ -93,9 +93,10 @@ struct VerbsApi {
   __be16 (*get_src_port)(rdma_cm_id* id) = nullptr;
 };
 
-/// The system's libibverbs and librdmacm, bound once per process; null when they cannot be
-/// loaded, with why in `why` (the library is missing, or lacks a function ferry needs).
-const VerbsApi* system_verbs(std::string* why = nullptr);
+/// The system's libibverbs and librdmacm, bound once per process. Throws Error(Unsupported)
+/// saying why they cannot be (at every call): a library is missing, or lacks a function ferry
+/// needs. Any thread.
+const VerbsApi& system_verbs();
 
 /// Texts for messages: "remote access error", "transport retry counter exceeded", ...
 const char* wc_status_text(ibv_wc_status status);

@@ -38,7 +38,7 @@ Conn::~Conn() {
   cm = nullptr;
 }
 
-bool Conn::make_qp(Device& device, std::string& why) {
+void Conn::make_qp(Device& device) {
   dev = &device;
   ibv_qp_init_attr attr{};
   attr.send_cq = device.cq;
@@ -49,21 +49,17 @@ bool Conn::make_qp(Device& device, std::string& why) {
   attr.cap.max_recv_wr = kRecvSlots;
   attr.cap.max_send_sge = static_cast<std::uint32_t>(device.max_sge);
   attr.cap.max_recv_sge = 1;
-  if (api_.create_qp(cm, device.pd->pd, &attr) != 0) {
-    why = std::string("rdma_create_qp: ") + std::strerror(errno);
-    return false;
-  }
+  if (api_.create_qp(cm, device.pd->pd, &attr) != 0)
+    throw Error(ErrorCode::Internal, std::string("rdma_create_qp: ") + std::strerror(errno));
   qp = cm->qp;
   qp_num = qp->qp_num;
   bufs_.resize(static_cast<std::size_t>(kRecvSlots + kSendSlots) * kCtlBytes);
   bufs_mr_ = api_.reg_mr(device.pd->pd, bufs_.data(), bufs_.size(), IBV_ACCESS_LOCAL_WRITE);
-  if (bufs_mr_ == nullptr) {
-    why = std::string("cannot register control buffers: ") + std::strerror(errno);
-    return false;
-  }
+  if (bufs_mr_ == nullptr)
+    throw Error(ErrorCode::Internal,
+                std::string("cannot register control buffers: ") + std::strerror(errno));
   for (std::uint32_t s = 0; s < kSendSlots; ++s) free_sends_.push_back(kSendSlots - 1 - s);
   for (std::uint32_t s = 0; s < kRecvSlots; ++s) post_recv(s);
-  return true;
 }
 
 void Conn::post_recv(std::uint32_t slot) {

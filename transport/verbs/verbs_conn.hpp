@@ -80,8 +80,9 @@ class Conn final : private wire::FrameReader::Handler {
   Conn(const Conn&) = delete;
   Conn& operator=(const Conn&) = delete;
 
-  /// Makes the QP on `dev` and posts the receive buffers; false (with why).
-  bool make_qp(Device& dev, std::string& why);
+  /// Makes the QP on `dev` and posts the receive buffers. Throws Error(Internal) naming the
+  /// call that failed and errno.
+  void make_qp(Device& dev);
   /// Queues a control message (header, text, payload) and sends what the queue allows.
   void send_ctl(const wire::FrameHeader& h, std::string_view msg = {},
                 std::string_view payload = {});

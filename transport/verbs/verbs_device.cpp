@@ -153,7 +153,7 @@ bool Devices::uses_memory_windows() const noexcept {
          std::all_of(devices_.begin(), devices_.end(), [](const auto& d) { return d->windows; });
 }
 
-bool Devices::register_pieces(MrSet& set, std::size_t d, std::uint64_t addr, std::uint64_t len,
+void Devices::register_pieces(MrSet& set, std::size_t d, std::uint64_t addr, std::uint64_t len,
                               int access) {
   MrSet::OnDevice& on = set.devices[d];
   const Device& dev = *devices_[d];
@@ -165,11 +165,14 @@ bool Devices::register_pieces(MrSet& set, std::size_t d, std::uint64_t addr, std
     const std::uint64_t n = std::min(piece, len - at);
     errno = 0;
     ibv_mr* mr = api_.reg_mr(on.pd->pd, reinterpret_cast<void*>(addr + at), n, access);
-    if (mr == nullptr) return false;
+    if (mr == nullptr) {
+      const int err = errno;
+      throw Error(err == ENOMEM ? ErrorCode::Internal : ErrorCode::Unsupported,
+                  "ibv_reg_mr on " + dev.name + ": " + (err ? sys_text(err) : "refused"));
+    }
     on.pieces.push_back({addr + at, n, mr});
     ++counters_.registrations;
   }
-  return true;
 }
 
 std::shared_ptr<MrSet> Devices::register_everywhere(const Region& region, int access) {
@@ -181,13 +184,13 @@ std::shared_ptr<MrSet> Devices::register_everywhere(const Region& region, int ac
     gpudirect_->register_cuda(*set, access);
     return set;
   }
-  for (std::size_t d = 0; d < devices_.size(); ++d) {
-    if (register_pieces(*set, d, set->base, set->size, access)) continue;
-    const int err = errno;
+  try {
+    for (std::size_t d = 0; d < devices_.size(); ++d)
+      register_pieces(*set, d, set->base, set->size, access);
+  } catch (const Error& e) {
     // What was registered is released with `set`.
-    throw Error(err == ENOMEM ? ErrorCode::Internal : ErrorCode::Unsupported,
-                "verbs: cannot register " + std::to_string(set->size) + " bytes on " +
-                    devices_[d]->name + ": " + (err ? sys_text(err) : "refused"));
+    throw Error(e.code(),
+                "verbs: cannot register " + std::to_string(set->size) + " bytes: " + e.message());
   }
   return set;
 }

@@ -147,8 +147,10 @@ class Devices {
   /// set marked `staged`, with no region.
   std::shared_ptr<MrSet> register_everywhere(const Region& region, int access);
   /// Registers [addr, addr + len) of host memory (or device memory the NIC reaches by
-  /// peermem) on device `d` of `set`, in pieces; false (errno set) when a piece is refused.
-  bool register_pieces(MrSet& set, std::size_t d, std::uint64_t addr, std::uint64_t len,
+  /// peermem) on device `d` of `set`, in pieces. Throws Error naming the device and errno
+  /// when a piece is refused (Internal for ENOMEM, else Unsupported); the pieces registered
+  /// before stay in `set`.
+  void register_pieces(MrSet& set, std::size_t d, std::uint64_t addr, std::uint64_t len,
                        int access);
   GpuDirect& gpudirect() noexcept { return *gpudirect_; }
   /// Stops polling; acknowledges and destroys the queues.
@@ -194,8 +196,8 @@ class GpuDirect {
   /// Registers the CUDA memory `set` spans, or marks it staged. Throws Error for memory the
   /// driver does not know, or a way that worked before and fails now.
   void register_cuda(MrSet& set, int access);
-  /// Why the CUDA memory of a staged registration cannot be served to a peer.
-  std::string unreachable(const MrSet& set) const;
+  /// Why the CUDA memory of a staged registration cannot be served to a peer (Unsupported).
+  Error unreachable(const MrSet& set) const;
   /// The primary context of `ordinal`, retained (for staging chunks).
   void* context(int ordinal);
 

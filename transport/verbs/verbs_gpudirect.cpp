@@ -21,6 +21,7 @@
 
 #include "transport/cuda/copy_engine.hpp"
 #include "transport/cuda/cuda_api.hpp"
+#include "transport/transport.hpp"
 #include "transport/verbs/verbs_device.hpp"
 
 namespace ferry::transport::verbs {
@@ -86,8 +87,9 @@ struct GpuDirect::State {
 
   bool by_gpudirect(MrSet& set, int ordinal, std::uint64_t base, std::uint64_t size,
                     std::uint64_t addr, std::uint64_t len, int access);
-  bool by_dmabuf(MrSet& set, std::uint64_t base, std::uint64_t addr, std::uint64_t len, int access,
-                 std::string& why);
+  /// Registers by dmabuf; throws Error(Unsupported) saying why it cannot, with nothing of it
+  /// left in `set`.
+  void by_dmabuf(MrSet& set, std::uint64_t base, std::uint64_t addr, std::uint64_t len, int access);
 
   const cuda::CudaApi* cuda;
   const VerbsApi& api;
@@ -177,8 +179,8 @@ bool GpuDirect::State::by_gpudirect(MrSet& set, int ordinal, std::uint64_t base,
   cuda::ScopedContext scope(*cuda, cd.context);
   const std::string name = "cuda:" + std::to_string(ordinal);
   if (cd.dmabuf != Way::fails) {
-    std::string why;
-    if (by_dmabuf(set, base, addr, len, access, why)) {
+    const std::optional<Error> refused = refusal([&] { by_dmabuf(set, base, addr, len, access); });
+    if (!refused) {
       cd.dmabuf = Way::works;
       return true;
     }
@@ -186,20 +188,22 @@ bool GpuDirect::State::by_gpudirect(MrSet& set, int ordinal, std::uint64_t base,
     // nothing of the rest: the way is judged by allocations of whole pages alone.
     if (base % page_bytes() == 0 && size % page_bytes() == 0) {
       if (cd.dmabuf == Way::works)
-        throw Error(ErrorCode::Internal, "verbs: cannot register memory of " + name +
-                                             " by dmabuf, which worked before: " + why);
+        throw Error(ErrorCode::Internal,
+                    "verbs: cannot register memory of " + name +
+                        " by dmabuf, which worked before: " + refused->message());
       cd.dmabuf = Way::fails;
     }
-    cd.no_dmabuf = why;
+    cd.no_dmabuf = refused->message();
   }
   if (cd.peermem != Way::fails) {
     const auto before = sizes(set);
-    for (std::size_t d = 0; d < devices.all().size(); ++d) {
-      if (devices.register_pieces(set, d, addr, len, access)) continue;
-      const int err = errno != 0 ? errno : EINVAL;
+    const std::optional<Error> refused = refusal([&] {
+      for (std::size_t d = 0; d < devices.all().size(); ++d)
+        devices.register_pieces(set, d, addr, len, access);
+    });
+    if (refused) {
       roll_back(set, before);
-      const std::string why =
-          "ibv_reg_mr of device memory on " + devices.all()[d]->name + ": " + std::strerror(err);
+      const std::string why = "device memory: " + refused->message();
       if (cd.peermem == Way::works)
         throw Error(ErrorCode::Internal, "verbs: cannot register memory of " + name +
                                              " by ibv_reg_mr, which worked before: " + why);
@@ -214,16 +218,11 @@ bool GpuDirect::State::by_gpudirect(MrSet& set, int ordinal, std::uint64_t base,
   return false;
 }
 
-bool GpuDirect::State::by_dmabuf(MrSet& set, std::uint64_t base, std::uint64_t addr,
-                                 std::uint64_t len, int access, std::string& why) {
-  if (!cuda->has_dmabuf()) {
-    why = "the CUDA driver exports no dmabuf";
-    return false;
-  }
-  if (api.reg_dmabuf_mr == nullptr) {
-    why = std::string(api.name) + " has no ibv_reg_dmabuf_mr";
-    return false;
-  }
+void GpuDirect::State::by_dmabuf(MrSet& set, std::uint64_t base, std::uint64_t addr,
+                                 std::uint64_t len, int access) {
+  if (!cuda->has_dmabuf()) throw Error(ErrorCode::Unsupported, "the CUDA driver exports no dmabuf");
+  if (api.reg_dmabuf_mr == nullptr)
+    throw Error(ErrorCode::Unsupported, std::string(api.name) + " has no ibv_reg_dmabuf_mr");
   // The export is page-aligned and starts at the page of the allocation's base, so that a
   // byte's offset in the dmabuf is its distance from there whether the driver exports exactly
   // the range asked for (the real one) or the whole allocation (the simulated one, which
@@ -235,25 +234,25 @@ bool GpuDirect::State::by_dmabuf(MrSet& set, std::uint64_t base, std::uint64_t a
   int fd = -1;
   CUresult r = cuda->mem_get_handle_for_address_range(
       &fd, dptr(from), static_cast<std::size_t>(span), CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
-  if (r != CUDA_SUCCESS || fd < 0) {
-    why = "cuMemGetHandleForAddressRange: " + cuda::result_text(cuda, r);
-    return false;
-  }
+  if (r != CUDA_SUCCESS || fd < 0)
+    throw Error(ErrorCode::Unsupported,
+                "cuMemGetHandleForAddressRange: " + cuda::result_text(cuda, r));
   const auto before = sizes(set);
-  int err = 0;
-  for (std::size_t d = 0; d < devices.all().size() && err == 0; ++d) {
+  std::optional<Error> refused;
+  for (std::size_t d = 0; d < devices.all().size() && !refused; ++d) {
     const Device& dev = *devices.all()[d];
     MrSet::OnDevice& on = set.devices[d];
     const std::uint64_t piece = dev.max_mr == 0
                                     ? std::max<std::uint64_t>(len, 1)
                                     : std::max<std::uint64_t>(dev.max_mr & ~4095ull, 4096);
-    for (std::uint64_t at = 0; at < len && err == 0; at += piece) {
+    for (std::uint64_t at = 0; at < len && !refused; at += piece) {
       const std::uint64_t n = std::min(piece, len - at);
       errno = 0;
       ibv_mr* mr = api.reg_dmabuf_mr(on.pd->pd, addr - from + at, n, addr + at, fd, access);
       if (mr == nullptr) {
-        err = errno != 0 ? errno : EINVAL;
-        why = "ibv_reg_dmabuf_mr on " + dev.name + ": " + std::strerror(err);
+        const int err = errno != 0 ? errno : EINVAL;
+        refused = Error(ErrorCode::Unsupported,
+                        "ibv_reg_dmabuf_mr on " + dev.name + ": " + std::strerror(err));
         break;
       }
       on.pieces.push_back({addr + at, n, mr});
@@ -261,22 +260,22 @@ bool GpuDirect::State::by_dmabuf(MrSet& set, std::uint64_t base, std::uint64_t a
     }
   }
   ::close(fd);  // the registrations hold the dmabuf
-  if (err != 0) {
+  if (refused) {
     roll_back(set, before);
-    return false;
+    throw *refused;
   }
   ++counters.dmabuf_registrations;
-  return true;
 }
 
-std::string GpuDirect::unreachable(const MrSet& set) const {
+Error GpuDirect::unreachable(const MrSet& set) const {
   std::string why;
   if (state_)
     if (auto it = state_->cuda_devices.find(set.cuda_device); it != state_->cuda_devices.end())
       why = "no dmabuf: " + it->second.no_dmabuf + "; no nvidia-peermem: " + it->second.no_peermem;
-  return "verbs cannot expose memory of cuda:" + std::to_string(set.cuda_device) +
-         ": the RDMA device cannot reach it (" + why +
-         "); only the active side of an operation stages device memory";
+  return Error(ErrorCode::Unsupported,
+               "verbs cannot expose memory of cuda:" + std::to_string(set.cuda_device) +
+                   ": the RDMA device cannot reach it (" + why +
+                   "); only the active side of an operation stages device memory");
 }
 
 }  // namespace ferry::transport::verbs

@@ -18,6 +18,6 @@ Region GpuDirect::allocation_of(const Region&, kit::RegistrationCache&) {
   throw Error(ErrorCode::Unsupported, kAbsent);
 }
 void GpuDirect::register_cuda(MrSet&, int) { throw Error(ErrorCode::Unsupported, kAbsent); }
-std::string GpuDirect::unreachable(const MrSet&) const { return kAbsent; }
+Error GpuDirect::unreachable(const MrSet&) const { return Error(ErrorCode::Unsupported, kAbsent); }
 
 }  // namespace ferry::transport::verbs

@@ -66,11 +66,13 @@ rdma_cm_id* VerbsServer::connect_request(rdma_cm_event& ev) {
   conn->peer_id = loop::hex16(priv.id);
   id->context = id_ptr(conn->id);
   admission_.accepted(conn->id);
-  std::string why = "no device of ours reaches it";
   Device* dev = t_.devices_->find(id->verbs);
-  if (dev == nullptr || !conn->make_qp(*dev, why)) {
+  try {
+    if (dev == nullptr) throw Error(ErrorCode::Internal, "no device of ours reaches it");
+    conn->make_qp(*dev);
+  } catch (const Error& e) {
     t_.api_.reject(id, nullptr, 0);
-    t_.fail_conn(*conn, ErrorCode::Internal, why);
+    t_.fail_conn(*conn, e.code(), e.message());
     return nullptr;
   }
   t_.by_qp_[conn->qp_num] = conn->id;
@@ -105,7 +107,7 @@ void VerbsServer::expose(const Exposure& exposure, ExposureObserver& observer) {
         if (const auto* set = static_cast<const MrSet*>(reg->handle.get());
             set != nullptr && set->staged)
           // The owner of one-sided RDMA cannot stage: another method serves this memory.
-          throw Error(ErrorCode::Unsupported, t_.devices_->gpudirect().unreachable(*set));
+          throw t_.devices_->gpudirect().unreachable(*set);
         if (reg->base + reg->size <= at)
           throw Error(ErrorCode::Internal, "verbs: a registration short of its range");
         at = reg->base + reg->size;

@@ -40,10 +40,11 @@ rdma_conn_param conn_param(const Device& dev, CmPrivate& priv) {
 /// be loaded.
 const VerbsApi& pick(const VerbsApi* api) {
   if (api != nullptr) return *api;
-  std::string why;
-  const VerbsApi* system = system_verbs(&why);
-  if (system == nullptr) throw Error(ErrorCode::Unsupported, "verbs: " + why);
-  return *system;
+  try {
+    return system_verbs();
+  } catch (const Error& e) {
+    throw Error(e.code(), "verbs: " + e.message());
+  }
 }
 
 void* id_ptr(std::uint64_t id) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id)); }
@@ -54,9 +55,9 @@ std::uint64_t ptr_id(void* p) {
 }  // namespace
 
 std::optional<Error> VerbsTransport::unavailable(const VerbsApi* api) {
-  std::string why;
-  if (api == nullptr) api = system_verbs(&why);
-  if (api == nullptr) return Error(ErrorCode::Unsupported, why);
+  if (api == nullptr) {
+    if (auto why = refusal([&] { api = &system_verbs(); })) return why;
+  }
   int n = 0;
   errno = 0;
   ibv_device** list = api->get_device_list(&n);
@@ -277,9 +278,10 @@ void VerbsTransport::cm_event(rdma_cm_event& ev) {
       return;
     }
     case RDMA_CM_EVENT_ROUTE_RESOLVED: {
-      std::string why;
-      if (!conn->make_qp(*conn->dev, why)) {
-        fail_conn(*conn, ErrorCode::Internal, why, true);
+      try {
+        conn->make_qp(*conn->dev);
+      } catch (const Error& e) {
+        fail_conn(*conn, e.code(), e.message(), true);
         return;
       }
       by_qp_[conn->qp_num] = conn->id;
