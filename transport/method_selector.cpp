@@ -15,6 +15,18 @@ std::string kinds_text(std::uint8_t kinds) {
 
 }  // namespace
 
+std::optional<std::string> MethodSelector::passed_over_because(const Capabilities& caps,
+                                                               const Needs& needs) const {
+  if ((caps.memory_kinds & needs.memory_kinds) != needs.memory_kinds)
+    return "moves " + kinds_text(caps.memory_kinds) + " memory, this operation needs " +
+           kinds_text(needs.memory_kinds);
+  if (caps.same_host_only && !needs.same_host) return "works on one host only";
+  if (auto u = needs.unreachable.find(caps.method); u != needs.unreachable.end())
+    return u->second.message();
+  if (auto f = failure(needs.peer, caps.method)) return f->message();
+  return std::nullopt;
+}
+
 std::vector<MethodSelector::Choice> MethodSelector::choose(const std::vector<Capabilities>& local,
                                                            const std::vector<Endpoint>& remote,
                                                            const Needs& needs) const {
@@ -25,18 +37,8 @@ std::vector<MethodSelector::Choice> MethodSelector::choose(const std::vector<Cap
     auto e = std::find_if(remote.begin(), remote.end(),
                           [&](const Endpoint& ep) { return ep.method == caps.method; });
     if (e == remote.end()) continue;
-    std::string why;
-    if ((caps.memory_kinds & needs.memory_kinds) != needs.memory_kinds)
-      why = "moves " + kinds_text(caps.memory_kinds) + " memory, this operation needs " +
-            kinds_text(needs.memory_kinds);
-    else if (caps.same_host_only && !needs.same_host)
-      why = "works on one host only";
-    else if (auto u = needs.unreachable.find(caps.method); u != needs.unreachable.end())
-      why = u->second.message();
-    else
-      why = failure(needs.peer, caps.method);
-    if (!why.empty()) {
-      passed_over += "; " + caps.method + ": " + why;
+    if (auto why = passed_over_because(caps, needs)) {
+      passed_over += "; " + caps.method + ": " + *why;
       continue;
     }
     out.push_back({i, *e});
@@ -54,15 +56,17 @@ std::vector<MethodSelector::Choice> MethodSelector::choose(const std::vector<Cap
 }
 
 void MethodSelector::failed(const std::string& peer, const std::string& method,
-                            const std::string& why) {
-  failed_[{peer, method}] = Failure{why, std::chrono::steady_clock::now()};
+                            const Error& error) {
+  failed_.insert_or_assign({peer, method}, Failure{error, std::chrono::steady_clock::now()});
 }
 
-std::string MethodSelector::failure(const std::string& peer, const std::string& method) const {
+std::optional<Error> MethodSelector::failure(const std::string& peer,
+                                             const std::string& method) const {
   auto it = failed_.find({peer, method});
-  if (it == failed_.end()) return {};
-  if (std::chrono::steady_clock::now() - it->second.at > remember_) return {};
-  return "failed before toward this peer (" + it->second.why + ")";
+  if (it == failed_.end()) return std::nullopt;
+  if (std::chrono::steady_clock::now() - it->second.at > remember_) return std::nullopt;
+  const Error& e = it->second.error;
+  return Error(e.code(), "failed before toward this peer (" + e.message() + ")");
 }
 
 }  // namespace ferry::transport

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,15 +46,20 @@ class MethodSelector {
   std::vector<Choice> choose(const std::vector<Capabilities>& local,
                              const std::vector<Endpoint>& remote, const Needs& needs) const;
 
-  /// `method` failed at set-up toward `peer` (refused, unreachable, not permitted): later
-  /// choices for that peer fall back to the next method.
-  void failed(const std::string& peer, const std::string& method, const std::string& why);
-  /// Why `method` is passed over for `peer`, or empty.
-  std::string failure(const std::string& peer, const std::string& method) const;
+  /// `method` failed at set-up toward `peer` with `error` (refused, unreachable, not
+  /// permitted): later choices for that peer fall back to the next method.
+  void failed(const std::string& peer, const std::string& method, const Error& error);
+  /// Why `method` is passed over for `peer` because it failed there before: the remembered
+  /// error's code, and a message that says so; none when it did not fail, or long enough ago.
+  std::optional<Error> failure(const std::string& peer, const std::string& method) const;
 
  private:
+  /// Why `caps`'s method cannot serve `needs`; none when it may.
+  std::optional<std::string> passed_over_because(const Capabilities& caps,
+                                                 const Needs& needs) const;
+
   struct Failure {
-    std::string why;
+    Error error;
     std::chrono::steady_clock::time_point at;
   };
   std::chrono::milliseconds remember_;

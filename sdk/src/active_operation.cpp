@@ -59,7 +59,7 @@ void ActiveOperation::setup_failed(const std::string& method, const Error& e) {
   // A method refused (not permitted, unsupported) stays refused for a while; a peer that could
   // not be reached (PeerLost, Timeout) may be back for the next operation: only tried next.
   if (!is_retryable(e.code())) {
-    core->selector.failed(remote->owner.id, method, e.message());
+    core->selector.failed(remote->owner.id, method, e);
     only_unreachable_ = false;
   }
   tried_ += (tried_.empty() ? "" : "; ") + method + ": " + e.message();

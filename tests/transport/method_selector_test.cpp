@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,6 +45,13 @@ std::vector<std::string> methods(const std::vector<Capabilities>& local,
   std::vector<std::string> out;
   for (const auto& c : chosen) out.push_back(local.at(c.local).method);
   return out;
+}
+
+/// Why `method` is passed over for `peer` after a failure, or "" when it is not.
+std::string failure_text(const MethodSelector& s, const std::string& peer,
+                         const std::string& method) {
+  const std::optional<Error> why = s.failure(peer, method);
+  return why ? why->message() : std::string();
 }
 
 /// The NoCommonMethod message, or a test failure.
@@ -120,10 +128,15 @@ TEST(MethodSelector, AFailedMethodIsPassedOverTowardThatPeerUntilItExpires) {
   MethodSelector s(100ms);
   const std::vector<Capabilities> local = {caps("tcp", 100), caps("verbs", 300)};
   const std::vector<Endpoint> remote = {ep("tcp"), ep("verbs")};
-  s.failed("00000000000000aa", "verbs", "no route");
-  EXPECT_EQ(s.failure("00000000000000aa", "verbs"), "failed before toward this peer (no route)");
-  EXPECT_EQ(s.failure("00000000000000aa", "tcp"), "");
-  EXPECT_EQ(s.failure("00000000000000bb", "verbs"), "");
+  s.failed("00000000000000aa", "verbs", Error(ErrorCode::Unsupported, "no route"));
+  EXPECT_EQ(failure_text(s, "00000000000000aa", "verbs"),
+            "failed before toward this peer (no route)");
+  // The failure keeps its code.
+  const std::optional<Error> remembered = s.failure("00000000000000aa", "verbs");
+  ASSERT_TRUE(remembered);
+  EXPECT_EQ(remembered->code(), ErrorCode::Unsupported);
+  EXPECT_EQ(failure_text(s, "00000000000000aa", "tcp"), "");
+  EXPECT_EQ(failure_text(s, "00000000000000bb", "verbs"), "");
   EXPECT_EQ(methods(local, s.choose(local, remote, needs())), (std::vector<std::string>{"tcp"}));
   // Another peer is not affected.
   MethodSelector::Needs other = needs();
@@ -131,12 +144,12 @@ TEST(MethodSelector, AFailedMethodIsPassedOverTowardThatPeerUntilItExpires) {
   EXPECT_EQ(methods(local, s.choose(local, remote, other)),
             (std::vector<std::string>{"verbs", "tcp"}));
   // Once every shared method failed, the refusal says why each was passed over.
-  s.failed("00000000000000aa", "tcp", "refused");
+  s.failed("00000000000000aa", "tcp", Error(ErrorCode::Unsupported, "refused"));
   EXPECT_EQ(refusal(s, local, remote, needs()),
             "peer 'P' offers [tcp, verbs]; this connector has [tcp, verbs]; tcp: failed before "
             "toward this peer (refused); verbs: failed before toward this peer (no route)");
   std::this_thread::sleep_for(150ms);
-  EXPECT_EQ(s.failure("00000000000000aa", "verbs"), "");
+  EXPECT_EQ(failure_text(s, "00000000000000aa", "verbs"), "");
   EXPECT_EQ(methods(local, s.choose(local, remote, needs())),
             (std::vector<std::string>{"verbs", "tcp"}));
 }
@@ -145,11 +158,12 @@ TEST(MethodSelector, ALaterFailureRestartsTheClock) {
   MethodSelector s(200ms);
   const std::vector<Capabilities> local = {caps("tcp", 100), caps("verbs", 300)};
   const std::vector<Endpoint> remote = {ep("tcp"), ep("verbs")};
-  s.failed("00000000000000aa", "verbs", "first");
+  s.failed("00000000000000aa", "verbs", Error(ErrorCode::Unsupported, "first"));
   std::this_thread::sleep_for(120ms);
-  s.failed("00000000000000aa", "verbs", "second");
+  s.failed("00000000000000aa", "verbs", Error(ErrorCode::Unsupported, "second"));
   std::this_thread::sleep_for(120ms);  // 240 ms after the first, 120 ms after the second
-  EXPECT_EQ(s.failure("00000000000000aa", "verbs"), "failed before toward this peer (second)");
+  EXPECT_EQ(failure_text(s, "00000000000000aa", "verbs"),
+            "failed before toward this peer (second)");
   EXPECT_EQ(methods(local, s.choose(local, remote, needs())), (std::vector<std::string>{"tcp"}));
 }
 
@@ -166,7 +180,7 @@ TEST(MethodSelector, EveryReasonIsNamedWhenEverySharedMethodIsPassedOver) {
   const std::vector<Capabilities> local = {caps("tcp", 100),
                                            caps("cma", 200, bit(MemoryKind::host), true),
                                            caps("verbs", 300, kHostAndCuda)};
-  s.failed("00000000000000aa", "verbs", "port down");
+  s.failed("00000000000000aa", "verbs", Error(ErrorCode::Unsupported, "port down"));
   const std::string text =
       refusal(s, local, {ep("verbs"), ep("cma"), ep("tcp")}, needs(false, kHostAndCuda));
   EXPECT_EQ(text,

@@ -69,7 +69,7 @@ TEST(Reach, AnotherHostOrNamespaceIsPassedOverWithItsReason) {
       selector.choose({cma_caps, tcp_caps}, {nested, Endpoint{"tcp", "127.0.0.1:1"}}, needs);
   ASSERT_EQ(choices.size(), 1u);
   EXPECT_EQ(choices[0].local, 1u);
-  EXPECT_EQ(selector.failure("0123456789abcdef", "cma"), "");
+  EXPECT_FALSE(selector.failure("0123456789abcdef", "cma"));
   loop.close([&] { transport.reset(); });
 }
 
