@@ -331,13 +331,13 @@ bool round_trips(benchmark::State& state) {
     state.SkipWithError("decode(encode(h)) != h");
     return false;
   }
-  if (!wire::malformed(h).empty()) {
+  if (wire::malformed(h)) {
     state.SkipWithError("malformed() refused a good header");
     return false;
   }
   wire::FrameHeader bad = h;
   bad.magic ^= 1;
-  if (wire::malformed(bad).empty()) {
+  if (!wire::malformed(bad)) {
     state.SkipWithError("malformed() accepted a bad magic");
     return false;
   }
@@ -378,7 +378,7 @@ void BM_FrameDecodeCheck(benchmark::State& state) {
   for (auto _ : state) {
     benchmark::DoNotOptimize(bytes.data());
     wire::FrameHeader h = wire::decode(bytes.data());
-    bad += wire::malformed(h).empty() ? 0 : 1;
+    bad += wire::malformed(h) ? 1 : 0;
     benchmark::DoNotOptimize(&h);
     benchmark::ClobberMemory();
   }

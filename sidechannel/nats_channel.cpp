@@ -19,7 +19,7 @@
 
 namespace ferry::sidechannel {
 
-std::string subject_problem(std::string_view subject) {
+std::optional<std::string> subject_problem(std::string_view subject) {
   if (subject.empty()) return "is empty";
   if (subject.size() > 1024) return "is longer than 1024 characters";
   std::size_t start = 0;
@@ -35,7 +35,7 @@ std::string subject_problem(std::string_view subject) {
     if (dot == std::string_view::npos) break;
     start = dot + 1;
   }
-  return {};
+  return std::nullopt;
 }
 
 bool is_reply_inbox(std::string_view prefix, std::string_view subject) {
@@ -64,8 +64,8 @@ struct NatsChannel::State {
         inbox(prefix + ".inbox." + client_id, kMaxOpenRequests, loop.log()),
         on_event(o.on_event),
         request_timeout(o.request_timeout) {
-    if (auto why = subject_problem(inbox.subject()); !why.empty())
-      throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + prefix + "' " + why);
+    if (auto why = subject_problem(inbox.subject()))
+      throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + prefix + "' " + *why);
   }
 
   EventLoop::Poster poster;
@@ -346,8 +346,8 @@ std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std:
                                           Answer direct) {
   const std::uint64_t id = state_->next_sub++;
   const bool inbox = !handler;  // our own "<inbox>.*", the one wildcard subscription
-  if (auto why = inbox ? std::string() : subject_problem(subject); closing_ || !why.empty()) {
-    if (registered) registered(closing_ ? "the side channel is closing" : "subject " + why);
+  if (auto why = inbox ? std::nullopt : subject_problem(subject); closing_ || why) {
+    if (registered) registered(closing_ ? "the side channel is closing" : "subject " + *why);
     return id;
   }
   std::string confirm;
@@ -439,10 +439,10 @@ void NatsChannel::unsubscribe(std::uint64_t id, std::string last_words) {
 void NatsChannel::publish(const std::string& subject, std::string data, const std::string& reply) {
   // A subject that came from a peer's message must not smuggle protocol in.
   if (auto why = subject_problem(subject);
-      closing_ || !why.empty() || (!reply.empty() && !subject_problem(reply).empty())) {
+      closing_ || why || (!reply.empty() && subject_problem(reply))) {
     if (!closing_)
       log_.warning("nats: not publishing to '" + subject + "': subject " +
-                   (why.empty() ? "has a bad reply subject" : why));
+                   why.value_or("has a bad reply subject"));
     return;
   }
   outbox_->push([this, subject, data = std::move(data), reply] {
@@ -491,7 +491,7 @@ void NatsChannel::note_refused_reply(const Message& request) {
   // Subjects come from the network: show them only when they hold nothing but printable
   // characters (subject_problem refuses control characters), and not too much of them.
   auto printable = [](const std::string& subject) {
-    if (!subject_problem(subject).empty()) return std::string("<malformed>");
+    if (subject_problem(subject)) return std::string("<malformed>");
     return subject.size() > 200 ? subject.substr(0, 200) + "..." : subject;
   };
   std::string also;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -18,9 +19,9 @@ namespace ferry::sidechannel {
 
 using loop::EventLoop;
 
-/// Why a subject cannot be used, or an empty string when it can: no wildcards, no empty
-/// tokens, no whitespace or control characters, at most 1024 characters.
-std::string subject_problem(std::string_view subject);
+/// Why a subject cannot be used ("has an empty token"), or none when it can: no wildcards, no
+/// empty tokens, no whitespace or control characters, at most 1024 characters.
+std::optional<std::string> subject_problem(std::string_view subject);
 
 /// Whether `subject` is a reply inbox of the form NatsChannel::request() builds under
 /// `prefix`: "<prefix>.inbox.<id>.r<n>", the id 16 lowercase hex digits (a connector's id),

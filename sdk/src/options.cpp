@@ -92,9 +92,9 @@ loop::Log resolve_log(const ConnectorOptions& o, const std::string& connector_na
 }
 
 void check_subject(const std::string& subject, const std::string& prefix) {
-  if (auto why = sidechannel::subject_problem(subject); !why.empty())
+  if (auto why = sidechannel::subject_problem(subject))
     throw Error(ErrorCode::InvalidArgument,
-                "subject '" + loop::sanitized_utf8(subject) + "' " + why);
+                "subject '" + loop::sanitized_utf8(subject) + "' " + *why);
   if (subject.rfind(prefix + ".", 0) == 0)
     throw Error(ErrorCode::InvalidArgument,
                 "subject '" + subject + "' is in ferry's own namespace '" + prefix + ".'");

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <tuple>
 
@@ -28,8 +29,8 @@ using test::Side;
 
 TEST(Subject, ValidationNamesTheProblem) {
   using sidechannel::subject_problem;
-  EXPECT_EQ(subject_problem("kv.decode-0.req-17"), "");
-  EXPECT_EQ(subject_problem("a"), "");
+  EXPECT_EQ(subject_problem("kv.decode-0.req-17"), std::nullopt);
+  EXPECT_EQ(subject_problem("a"), std::nullopt);
   EXPECT_EQ(subject_problem(""), "is empty");
   EXPECT_EQ(subject_problem("a..b"), "has an empty token");
   EXPECT_EQ(subject_problem(".a"), "has an empty token");

@@ -177,8 +177,8 @@ class RawClient {
     if (!read_exact(bytes.data(), bytes.size())) return std::nullopt;
     Frame f;
     f.header = transport::wire::decode(bytes.data());
-    if (auto what = transport::wire::malformed(f.header); !what.empty()) {
-      error_ = "the server sent a malformed header: " + what;
+    if (auto what = transport::wire::malformed(f.header)) {
+      error_ = "the server sent a malformed header: " + *what;
       return std::nullopt;
     }
     f.message.resize(f.header.msg_len);

@@ -207,8 +207,8 @@ wire::Sink VerbsServer::receive_claim(Conn& conn, const FrameHeader& h) {
   return sink;
 }
 
-std::string VerbsServer::windows_for(Conn& conn, Served& served, Access access,
-                                     std::vector<Window>& out, std::vector<CtlItem>& binds) {
+void VerbsServer::windows_for(Conn& conn, Served& served, Access access, std::vector<Window>& out,
+                              std::vector<CtlItem>& binds) {
   // The keys: a window per registered piece of each span, bound to this connection's queue
   // pair alone, or the pieces of the operation's own registration.
   const bool windows = t_.devices_->uses_memory_windows();
@@ -222,12 +222,15 @@ std::string VerbsServer::windows_for(Conn& conn, Served& served, Access access,
           set = static_cast<const MrSet*>(served.regs[r]->handle.get());
       std::uint64_t room = 0;
       ibv_mr* mr = set == nullptr ? nullptr : set->find(conn.dev->ctx, addr, room);
-      if (mr == nullptr) return "the operation's memory is not registered on " + conn.dev->name;
+      if (mr == nullptr)
+        throw Error(ErrorCode::Internal,
+                    "the operation's memory is not registered on " + conn.dev->name);
       const std::uint64_t n = std::min(room, base + span.size - addr);
       Window w{addr, n, mr->rkey};
       if (windows) {
         ibv_mw* mw = t_.api_.alloc_mw(conn.dev->pd->pd, IBV_MW_TYPE_2);
-        if (mw == nullptr) return "cannot allocate a memory window on " + conn.dev->name;
+        if (mw == nullptr)
+          throw Error(ErrorCode::Internal, "cannot allocate a memory window on " + conn.dev->name);
         served.mws.push_back(mw);
         CtlItem bind;
         bind.mw = mw;
@@ -244,7 +247,6 @@ std::string VerbsServer::windows_for(Conn& conn, Served& served, Access access,
       addr += n;
     }
   }
-  return {};
 }
 
 void VerbsServer::serve_claim(Conn& conn, const FrameHeader& h, const std::string& payload) {
@@ -271,16 +273,16 @@ void VerbsServer::serve_claim(Conn& conn, const FrameHeader& h, const std::strin
   Served& served = *sit->second;
   std::vector<Window> out;
   std::vector<CtlItem> binds;
-  const std::string failure = windows_for(conn, served, static_cast<Access>(h.flags), out, binds);
-  auto secret = failure.empty() ? exposures_.claim(*v.entry, conn.id, conn.peer_name,
-                                                   conn.describe(), conn.peer_id)
-                                : std::nullopt;
+  const std::optional<Error> failure =
+      refusal([&] { windows_for(conn, served, static_cast<Access>(h.flags), out, binds); });
+  std::optional<Token> secret;
+  if (!failure)
+    secret = exposures_.claim(*v.entry, conn.id, conn.peer_name, conn.describe(), conn.peer_id);
   if (!secret) {
     for (ibv_mw* mw : served.mws) t_.api_.dealloc_mw(mw);
     served.mws.clear();
-    const Error refused = failure.empty()
-                              ? Error(ErrorCode::AccessDenied, "the operation is claimed already")
-                              : Error(ErrorCode::Internal, failure);
+    const Error refused =
+        failure ? *failure : Error(ErrorCode::AccessDenied, "the operation is claimed already");
     reply(conn, h.req_id, &refused);
     return;
   }

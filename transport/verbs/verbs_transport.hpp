@@ -107,9 +107,10 @@ class VerbsServer {
   void end_served(std::uint64_t id);
   void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
   void reply(Conn& conn, std::uint64_t req, const Error* error);
-  /// The claimant's keys for `served`, bound to `conn`; why not, when they cannot be had.
-  std::string windows_for(Conn& conn, Served& served, Access access, std::vector<Window>& out,
-                          std::vector<CtlItem>& binds);
+  /// The claimant's keys for `served`, bound to `conn`, into `out` (and the window binds to
+  /// send first into `binds`). Throws Error(Internal) when they cannot be had.
+  void windows_for(Conn& conn, Served& served, Access access, std::vector<Window>& out,
+                   std::vector<CtlItem>& binds);
 
   VerbsTransport& t_;
   kit::Exposures exposures_;

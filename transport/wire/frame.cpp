@@ -61,7 +61,7 @@ FrameHeader decode(const std::byte* p) noexcept {
   return h;
 }
 
-std::string malformed(const FrameHeader& h) {
+std::optional<std::string> malformed(const FrameHeader& h) {
   if (h.magic != kMagic) return "bad magic";
   if (h.version != kVersion) return "unsupported protocol version " + std::to_string(h.version);
   switch (h.type) {
@@ -78,7 +78,7 @@ std::string malformed(const FrameHeader& h) {
       return "unknown frame type " + std::to_string(static_cast<int>(h.type));
   }
   if (h.msg_len > kMaxMessage) return "message of " + std::to_string(h.msg_len) + " bytes";
-  return {};
+  return std::nullopt;
 }
 
 }  // namespace ferry::transport::wire

@@ -3,6 +3,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "transport/memory.hpp"
@@ -49,9 +50,9 @@ using HeaderBytes = std::array<std::byte, kHeaderSize>;
 HeaderBytes encode(const FrameHeader& header) noexcept;
 FrameHeader decode(const std::byte* bytes) noexcept;
 
-/// Checks what every frame must satisfy (magic, version, known type, message length);
-/// returns an empty string when the header is well formed, else what is wrong.
-std::string malformed(const FrameHeader& header);
+/// Checks what every frame must satisfy (magic, version, known type, message length): what
+/// is wrong ("bad magic"), or none when the header is well formed.
+std::optional<std::string> malformed(const FrameHeader& header);
 
 /// Whether a frame of this type carries `len` bytes of payload after its message. The one rule,
 /// whatever carries the frames.

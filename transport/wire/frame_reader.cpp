@@ -41,7 +41,7 @@ std::optional<std::string> FrameReader::advance(std::size_t n) {
       if (got_ < kHeaderSize) return std::nullopt;
       got_ = 0;
       header_ = decode(header_bytes_.data());
-      if (auto what = malformed(header_); !what.empty()) {
+      if (auto what = malformed(header_)) {
         state_ = State::broken;
         return what;
       }
