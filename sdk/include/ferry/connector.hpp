@@ -72,21 +72,25 @@ class Connector {
 
   /// Exposes `local` for one peer to read. Throws InvalidArgument for an empty list,
   /// Unsupported for device memory this build cannot serve.
-  ReadableOperation create_readable(std::vector<Descriptor> local, OperationOptions options = {});
+  [[nodiscard("dropping the handle cancels the operation")]] ReadableOperation create_readable(
+      std::vector<Descriptor> local, OperationOptions options = {});
   /// Exposes `local` for one peer to write. Throws as create_readable does, and
   /// InvalidArgument for a read-only descriptor.
-  WritableOperation create_writable(std::vector<Descriptor> local, OperationOptions options = {});
+  [[nodiscard("dropping the handle cancels the operation")]] WritableOperation create_writable(
+      std::vector<Descriptor> local, OperationOptions options = {});
   /// The same for one contiguous range of bytes (a std::vector<std::byte>, a std::span, ...).
   /// Const memory cannot be made writable: that overload takes only mutable bytes.
   template <class Bytes>
-  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>> ReadableOperation
-  create_readable(Bytes&& memory, OperationOptions options = {}) {
+  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>>
+  [[nodiscard("dropping the handle cancels the operation")]] ReadableOperation create_readable(
+      Bytes&& memory, OperationOptions options = {}) {
     return create_readable({bytes_descriptor(std::span<const std::byte>(memory))},
                            std::move(options));
   }
   template <class Bytes>
-  requires std::is_convertible_v<Bytes&&, std::span<std::byte>> WritableOperation
-  create_writable(Bytes&& memory, OperationOptions options = {}) {
+  requires std::is_convertible_v<Bytes&&, std::span<std::byte>>
+  [[nodiscard("dropping the handle cancels the operation")]] WritableOperation create_writable(
+      Bytes&& memory, OperationOptions options = {}) {
     return create_writable({bytes_descriptor(std::span<std::byte>(memory))}, std::move(options));
   }
 
@@ -99,43 +103,47 @@ class Connector {
   /// the operation `in_progress` at once, and a method that refuses at set-up (remembered
   /// per peer for a while) also shows as the operation's error (NoCommonMethod when no other
   /// method is left); on the loop thread, such a refusal is thrown.
-  ReadOperation begin_read(const RdmaMetadata& remote, std::vector<Descriptor> local,
-                           OperationOptions options = {});
+  [[nodiscard("dropping the handle cancels the operation")]] ReadOperation begin_read(
+      const RdmaMetadata& remote, std::vector<Descriptor> local, OperationOptions options = {});
   /// Writes `local` into the peer's writable operation described by `remote`.
   /// Throws as begin_read does (KindMismatch when remote is not a writable's).
-  WriteOperation begin_write(std::vector<Descriptor> local, const RdmaMetadata& remote,
-                             OperationOptions options = {});
+  [[nodiscard("dropping the handle cancels the operation")]] WriteOperation begin_write(
+      std::vector<Descriptor> local, const RdmaMetadata& remote, OperationOptions options = {});
 
   /// Reads the readable operation that serves its metadata at `subject`: asks for it there
   /// (retrying while nobody answers, until the deadline), checks it as above, transfers, and
   /// tells the passive side how it ended. Throws InvalidArgument for a bad subject,
   /// InvalidState without a side channel; everything later is the operation's error.
-  ReadOperation begin_read(const Subject& subject, std::vector<Descriptor> local,
-                           OperationOptions options = {});
+  [[nodiscard("dropping the handle cancels the operation")]] ReadOperation begin_read(
+      const Subject& subject, std::vector<Descriptor> local, OperationOptions options = {});
   /// Writes into the writable operation that serves its metadata at `subject`.
-  WriteOperation begin_write(std::vector<Descriptor> local, const Subject& subject,
-                             OperationOptions options = {});
+  [[nodiscard("dropping the handle cancels the operation")]] WriteOperation begin_write(
+      std::vector<Descriptor> local, const Subject& subject, OperationOptions options = {});
 
   /// The four above for one contiguous range of bytes (reads need mutable memory).
   template <class Bytes>
-  requires std::is_convertible_v<Bytes&&, std::span<std::byte>> ReadOperation
-  begin_read(const RdmaMetadata& remote, Bytes&& local, OperationOptions options = {}) {
+  requires std::is_convertible_v<Bytes&&, std::span<std::byte>>
+  [[nodiscard("dropping the handle cancels the operation")]] ReadOperation begin_read(
+      const RdmaMetadata& remote, Bytes&& local, OperationOptions options = {}) {
     return begin_read(remote, {bytes_descriptor(std::span<std::byte>(local))}, std::move(options));
   }
   template <class Bytes>
-  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>> WriteOperation
-  begin_write(Bytes&& local, const RdmaMetadata& remote, OperationOptions options = {}) {
+  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>>
+  [[nodiscard("dropping the handle cancels the operation")]] WriteOperation begin_write(
+      Bytes&& local, const RdmaMetadata& remote, OperationOptions options = {}) {
     return begin_write({bytes_descriptor(std::span<const std::byte>(local))}, remote,
                        std::move(options));
   }
   template <class Bytes>
-  requires std::is_convertible_v<Bytes&&, std::span<std::byte>> ReadOperation
-  begin_read(const Subject& subject, Bytes&& local, OperationOptions options = {}) {
+  requires std::is_convertible_v<Bytes&&, std::span<std::byte>>
+  [[nodiscard("dropping the handle cancels the operation")]] ReadOperation begin_read(
+      const Subject& subject, Bytes&& local, OperationOptions options = {}) {
     return begin_read(subject, {bytes_descriptor(std::span<std::byte>(local))}, std::move(options));
   }
   template <class Bytes>
-  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>> WriteOperation
-  begin_write(Bytes&& local, const Subject& subject, OperationOptions options = {}) {
+  requires std::is_convertible_v<Bytes&&, std::span<const std::byte>>
+  [[nodiscard("dropping the handle cancels the operation")]] WriteOperation begin_write(
+      Bytes&& local, const Subject& subject, OperationOptions options = {}) {
     return begin_write({bytes_descriptor(std::span<const std::byte>(local))}, subject,
                        std::move(options));
   }
