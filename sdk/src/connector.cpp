@@ -52,8 +52,9 @@ std::shared_ptr<detail::ActiveOperation> begin(detail::Core& core, OperationKind
   detail::check_remote(remote, kind, local);
   if (kind == OperationKind::read) check_writable(local, "begin_read");
   auto timeout = core.effective_timeout(options);
-  // Off the loop, the call does not wait for it: the operation starts there, and what only
-  // the loop can find out ends it with an error (one thread hop less per operation).
+  // Off the loop, the call does not wait for it (one thread hop less per operation). From
+  // every thread, what only the loop can find out ends the operation with an error; what is
+  // checked here is thrown.
   return core.begin_active(remote, std::move(local), timeout);
 }
 

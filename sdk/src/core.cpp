@@ -314,18 +314,22 @@ std::shared_ptr<PassiveOperation> Core::create_passive(OperationKind kind,
 
 namespace {
 
-// An active operation's start, handed to the loop; when the loop closes before running it,
-// the operation ends cancelled (no transport ever saw it).
-struct PostedStart {
+// An active operation's start, run on the loop: handed to it from another thread, or at once
+// on the loop thread. Either way a refusal it meets ends the operation with that error. When
+// the loop closes before running a posted start, the operation ends cancelled (no transport
+// ever saw it).
+struct LoopStart {
   std::shared_ptr<ActiveOperation> op;
   std::function<void(ActiveOperation&)> start;
   std::chrono::milliseconds timeout{0};
   bool ran = false;
 
-  PostedStart() = default;
-  PostedStart(const PostedStart&) = delete;
-  PostedStart& operator=(const PostedStart&) = delete;
-  ~PostedStart() {
+  LoopStart(std::shared_ptr<ActiveOperation> o, std::function<void(ActiveOperation&)> s,
+            std::chrono::milliseconds t)
+      : op(std::move(o)), start(std::move(s)), timeout(t) {}
+  LoopStart(const LoopStart&) = delete;
+  LoopStart& operator=(const LoopStart&) = delete;
+  ~LoopStart() {
     if (!ran && op) op->abandon(Error(ErrorCode::Cancelled, "the connector was closed"));
   }
 
@@ -353,14 +357,13 @@ std::shared_ptr<ActiveOperation> Core::launch(std::shared_ptr<ActiveOperation> o
   op->set_status(OperationStatus::in_progress);
   if (loop::EventLoop::Hold hold; loop->enter(hold)) {
     if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
-    start(*op);  // throws to the caller: the operation was never armed
-    op->arm(timeout);
+    // At once, but as a posted start would: a set-up refusal is the operation's error, and
+    // its callbacks run deferred, after the caller's stack has unwound. A caller learns of a
+    // refusal the same way from every thread.
+    LoopStart(op, std::move(start), timeout).run();
     return op;
   }
-  auto task = std::make_shared<PostedStart>();
-  task->op = op;
-  task->start = std::move(start);
-  task->timeout = timeout;
+  auto task = std::make_shared<LoopStart>(op, std::move(start), timeout);
   if (!loop->post([task] { task->run(); })) {
     task->ran = true;  // nothing to abandon: the caller gets the error
     throw Error(ErrorCode::InvalidState, "the connector is closed");

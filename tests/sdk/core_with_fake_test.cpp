@@ -6,6 +6,7 @@
 #include <future>
 
 #include <chrono>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -373,8 +374,8 @@ TEST(Fallback, WithNothingToFallBackToASetUpRefusalIsTheOperationsError) {
       << read.error()->message();
 }
 
-// Off the loop, begin_read does not wait for the loop: a refusal only the transport's set-up
-// finds ends the operation with NoCommonMethod (on the loop thread, begin_read throws it).
+// begin_read does not throw a refusal only the transport's set-up finds: it ends the
+// operation with NoCommonMethod, from every thread.
 TEST(Fallback, WithNothingToFallBackToASetUpRefusalIsNoCommonMethod) {
   FakeTransportFactory fake;
   FaultPolicy policy;
@@ -395,20 +396,97 @@ TEST(Fallback, WithNothingToFallBackToASetUpRefusalIsNoCommonMethod) {
   }
   EXPECT_EQ(read.status(), OperationStatus::errored);
 
-  // The refusal is remembered for this peer: the next begin_read on the loop thread throws.
-  std::promise<ErrorCode> thrown;
+  // The refusal is remembered for this peer: the next begin_read, on the loop thread, ends
+  // with NoCommonMethod that says so, and the fake is not asked again.
+  std::promise<std::optional<Error>> ended;
   readable = owner.create_readable(memory);
   auto copy = readable.metadata();
   read = peer.begin_read(copy, memory);
+  ReadOperation again;
   read.on_complete([&](OperationStatus, const Error*) {
     try {
-      ReadOperation again = peer.begin_read(copy, memory);
-      thrown.set_value(ErrorCode::Internal);
+      again = peer.begin_read(copy, memory);
+      again.on_complete([&](OperationStatus, const Error* e) {
+        ended.set_value(e != nullptr ? std::optional<Error>(*e) : std::nullopt);
+      });
     } catch (const Error& e) {
-      thrown.set_value(e.code());
+      ADD_FAILURE() << "begin_read threw on the loop thread: " << e.what();
+      ended.set_value(std::nullopt);
     }
   });
-  EXPECT_EQ(thrown.get_future().get(), ErrorCode::NoCommonMethod);
+  const std::optional<Error> error = ended.get_future().get();
+  ASSERT_TRUE(error);
+  EXPECT_EQ(error->code(), ErrorCode::NoCommonMethod) << error->what();
+  EXPECT_NE(error->message().find("fake: failed before toward this peer"), std::string::npos)
+      << error->what();
+  EXPECT_EQ(fake.control().setup_attempts(), 1u);
+}
+
+// A method's refusal at set-up reaches the caller of begin_read the same way from every thread:
+// the call returns the operation, which ends errored with the refusal, and its callbacks run
+// after the call has returned. (Checks of the arguments and the metadata are still thrown.)
+TEST(SetUpRefusal, IsTheOperationsErrorFromAForeignThreadAndFromTheLoopThread) {
+  FakeTransportFactory fake;
+  FaultPolicy policy;
+  policy.setup = FaultPolicy::Setup::throw_error;
+  // Retryable: the refusal is not remembered for the peer, so that each begin_read meets it
+  // at the fake's start().
+  policy.setup_code = ErrorCode::PeerLost;
+  fake.control().set_policy(policy);
+  Connector owner(options("owner", {"fake"}));
+  Connector peer(options("peer", {"fake"}));
+  std::vector<std::byte> memory(64);
+  std::vector<std::byte> dst(64);
+  auto readable = owner.create_readable(memory);
+  const RdmaMetadata metadata = readable.metadata();
+  auto writable = owner.create_writable(memory);
+
+  // From a foreign thread (this one).
+  auto from_foreign = peer.begin_read(metadata, dst);
+  EXPECT_EQ(ended_with(from_foreign, 10s), ErrorCode::NoCommonMethod);
+  const std::string refusal = from_foreign.error()->message();
+  EXPECT_NE(refusal.find("set-up refused by the test's fault policy"), std::string::npos)
+      << refusal;
+
+  // From the loop thread: inside a completion callback of the peer's connector.
+  struct Seen {
+    std::optional<Error> thrown;             // what begin_read threw, if it threw
+    std::optional<Error> error;              // the operation's error, as its callback saw it
+    bool caller_returned = false;            // the callback that called begin_read returned
+    bool callback_after_return = false;      // the operation's callback ran after that
+    std::optional<ErrorCode> kind_mismatch;  // what a wrong pairing threw there
+  };
+  Seen seen;
+  std::promise<void> done;
+  ReadOperation from_loop;  // kept: dropping it would cancel it
+  from_foreign.on_complete([&](OperationStatus, const Error*) {
+    try {
+      from_loop = peer.begin_read(metadata, dst);
+      from_loop.on_complete([&](OperationStatus, const Error* e) {
+        if (e != nullptr) seen.error = *e;
+        seen.callback_after_return = seen.caller_returned;
+        done.set_value();
+      });
+    } catch (const Error& e) {
+      seen.thrown = e;
+    }
+    try {
+      ReadOperation wrong = peer.begin_read(writable.metadata(), dst);
+    } catch (const Error& e) {
+      seen.kind_mismatch = e.code();
+    }
+    seen.caller_returned = true;
+    if (seen.thrown) done.set_value();
+  });
+  ASSERT_EQ(done.get_future().wait_for(10s), std::future_status::ready);
+  EXPECT_FALSE(seen.thrown) << "begin_read threw on the loop thread: " << seen.thrown->what();
+  ASSERT_TRUE(seen.error);
+  EXPECT_EQ(seen.error->code(), ErrorCode::NoCommonMethod) << seen.error->what();
+  EXPECT_EQ(seen.error->message(), refusal);
+  EXPECT_TRUE(seen.callback_after_return);
+  EXPECT_EQ(from_loop.status(), OperationStatus::errored);
+  EXPECT_EQ(seen.kind_mismatch, ErrorCode::KindMismatch);
+  EXPECT_EQ(fake.control().setup_attempts(), 2u);
 }
 
 // ---------------------------------------------------------------------------------------

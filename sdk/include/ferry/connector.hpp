@@ -98,11 +98,13 @@ class Connector {
   /// are matched as one byte stream (their lengths may differ, their totals may not).
   /// Throws InvalidMetadata, KindMismatch (remote is not a readable's), SizeMismatch,
   /// InvalidArgument (empty list), NoCommonMethod (the two sides share no usable method),
-  /// AccessDenied (endpoints outside endpoint_allow). Transfer failures come later, as the
-  /// operation's error. Off the loop thread the call does not wait for the loop: it returns
-  /// the operation `in_progress` at once, and a method that refuses at set-up (remembered
-  /// per peer for a while) also shows as the operation's error (NoCommonMethod when no other
-  /// method is left); on the loop thread, such a refusal is thrown.
+  /// AccessDenied (endpoints outside endpoint_allow), from every thread. What only the
+  /// transfer finds out is the operation's error, from every thread alike: transfer failures,
+  /// and a method that refuses at set-up (remembered per peer for a while; NoCommonMethod
+  /// when no other method is left). Off the loop thread the call does not wait for the loop:
+  /// it returns the operation `in_progress` at once. On the loop thread (in a completion
+  /// callback, or on an embedded loop) the set-up runs within the call, so the operation may
+  /// come back already `errored`; its completion callbacks still run after the call returns.
   [[nodiscard("dropping the handle cancels the operation")]] ReadOperation begin_read(
       const RdmaMetadata& remote, std::vector<Descriptor> local, OperationOptions options = {});
   /// Writes `local` into the peer's writable operation described by `remote`.
