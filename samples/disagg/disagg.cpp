@@ -642,6 +642,22 @@ int run_client(const Args& args) {
 // ---------------------------------------------------------------------------------------
 // all
 
+/// The nats-server to start: the first on PATH, else Debian's; empty when there is none.
+std::string find_nats_server() {
+  std::string dirs = std::getenv("PATH") != nullptr ? std::getenv("PATH") : "";
+  dirs += ":/usr/sbin:/usr/bin";
+  std::size_t start = 0;
+  while (start <= dirs.size()) {
+    const std::size_t end = std::min(dirs.find(':', start), dirs.size());
+    const std::string dir = dirs.substr(start, end - start);
+    start = end + 1;
+    if (dir.empty()) continue;
+    const std::string path = dir + "/nats-server";
+    if (::access(path.c_str(), X_OK) == 0) return path;
+  }
+  return {};
+}
+
 int run_all(const char* self, const Args& args) {
   // Destroyed in reverse: the workers stop before the server they talk to.
   std::unique_ptr<disagg::Child> nats_server;
@@ -651,11 +667,19 @@ int run_all(const char* self, const Args& args) {
     if (device >= 0) ferry_samples::DeviceMemory probe(device, 8);
   }
   if (const char* url = std::getenv("FERRY_NATS_URL"); url == nullptr || *url == '\0') {
+    const std::string server = find_nats_server();
+    if (server.empty()) {
+      std::fprintf(stderr,
+                   "disagg: no nats-server on PATH or in /usr/sbin (install nats-server, or set "
+                   "FERRY_NATS_URL to a running server)\n");
+      return 2;
+    }
     auto port = disagg::free_port();
     nats_server = std::make_unique<disagg::Child>(std::vector<std::string>{
-        "/usr/sbin/nats-server", "-a", "127.0.0.1", "-p", std::to_string(port), "-l", "/dev/null"});
+        server, "-a", "127.0.0.1", "-p", std::to_string(port), "-l", "/dev/null"});
     if (!disagg::wait_for_port(port, 10s)) {
-      std::fprintf(stderr, "disagg: nats-server did not start\n");
+      std::fprintf(stderr, "disagg: %s did not start listening on 127.0.0.1:%d within 10 s\n",
+                   server.c_str(), static_cast<int>(port));
       return 2;
     }
     ::setenv("FERRY_NATS_URL", ("nats://127.0.0.1:" + std::to_string(port)).c_str(), 1);
