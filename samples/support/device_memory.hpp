@@ -11,7 +11,8 @@
 #include <stdexcept>
 #include <string>
 
-#ifdef FERRY_WITH_CUDA
+#include "build_config.hpp"
+#if FERRY_HAS_CUDA
 #include "transport/cuda/cuda_api.hpp"
 #endif
 
@@ -31,7 +32,7 @@ class DeviceMemory {
  public:
   /// Throws std::runtime_error naming why when CUDA cannot be used.
   DeviceMemory(int ordinal, std::size_t size) : ordinal_(ordinal), size_(size) {
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
     namespace cuda = ferry::transport::cuda;
     try {
       api_ = &cuda::system_cuda();
@@ -51,7 +52,7 @@ class DeviceMemory {
 #endif
   }
   ~DeviceMemory() {
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
     {
       Scope scope(*this);
       (void)api_->mem_free(ptr_);
@@ -66,7 +67,7 @@ class DeviceMemory {
   std::size_t size() const { return size_; }
   /// The device address, for descriptors; never to be dereferenced by the CPU.
   std::byte* data() const {
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
     return reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(ptr_));
 #else
     return nullptr;
@@ -74,7 +75,7 @@ class DeviceMemory {
   }
   /// Copies `n` bytes from host memory `src` to `offset` of this memory.
   void write(std::size_t offset, const void* src, std::size_t n) {
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
     Scope scope(*this);
     check(api_->memcpy(ptr_ + offset, address(src), n), "cuMemcpy to the device");
 #else
@@ -83,7 +84,7 @@ class DeviceMemory {
   }
   /// Copies `n` bytes at `offset` of this memory to host memory `dst`.
   void read(std::size_t offset, void* dst, std::size_t n) const {
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
     Scope scope(*this);
     check(api_->memcpy(address(dst), ptr_ + offset, n), "cuMemcpy from the device");
 #else
@@ -92,7 +93,7 @@ class DeviceMemory {
   }
 
  private:
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
   // The memory's context current on this thread for a scope, the previous one after it.
   struct Scope {
     const DeviceMemory& m;

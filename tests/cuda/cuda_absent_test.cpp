@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 
+#include "build_config.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
 
@@ -20,7 +21,7 @@ const bool kNoDriver = [] {
   return true;
 }();
 
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
 constexpr const char* kReason = "no CUDA driver: /nonexistent/ferry-test/libcuda.so.1 cannot be";
 #else
 constexpr const char* kReason = "built without CUDA";
@@ -88,7 +89,7 @@ TEST(NoCudaDriverMethods, TcpCudaIpcAndVerbsSayTheyMoveCuda) {
   // it where the driver is usable (the refusals above come from the missing driver); built
   // without, no method moves it.
   for (const MethodInfo& m : probe_methods()) {
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
     EXPECT_EQ(m.moves_cuda, m.method == "tcp" || m.method == "cuda_ipc" || m.method == "verbs")
         << m.method;
     if (m.method == "cuda_ipc") {

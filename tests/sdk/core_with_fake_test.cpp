@@ -13,6 +13,7 @@
 
 #include <ferry/ferry.hpp>
 
+#include "build_config.hpp"
 #include "tests/support/fake_transport.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
@@ -231,10 +232,10 @@ TEST(Selection, NoMethodInCommonIsRefusedAtBegin) {
 
 /// The methods this build has, in the registry's order.
 const std::string kBuilt = std::string("tcp, cma")
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
                            + ", verbs"
 #endif
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
                            + ", cuda_ipc"
 #endif
     ;

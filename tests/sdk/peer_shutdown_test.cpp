@@ -11,9 +11,10 @@
 
 #include <ferry/ferry.hpp>
 
+#include "build_config.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
 #include "tests/support/sim_verbs.hpp"
 #endif
 
@@ -28,7 +29,7 @@ constexpr int kRounds = 12;
 class PeerShutdown : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
     if (GetParam() == "verbs") test::use_simulated_verbs();
 #else
     if (GetParam() == "verbs") GTEST_SKIP() << "this ferry was built without verbs";

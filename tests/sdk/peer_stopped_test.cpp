@@ -14,10 +14,11 @@
 
 #include <ferry/ferry.hpp>
 
+#include "build_config.hpp"
 #include "tests/support/child_process.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
 #include "tests/support/sim_verbs.hpp"
 #include "tests/support/simverbs/simverbs.hpp"
 #endif
@@ -48,7 +49,7 @@ class PeerStopped : public ::testing::TestWithParam<Param> {
   void SetUp() override {
     const std::string& method = std::get<0>(GetParam());
     std::vector<std::string> env{"FERRY_TRANSPORTS=" + method};
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
     if (method == "verbs") {
       test::use_simulated_verbs();
       env.push_back(std::string(test::kSimVerbsEnv) + "=1");

@@ -58,9 +58,10 @@
 
 #include <ferry/ferry.hpp>
 
+#include "build_config.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/scattered.hpp"
-#ifdef FERRY_TEST_SIMVERBS
+#if FERRY_HAS_VERBS
 #include "tests/support/sim_verbs.hpp"
 #endif
 
@@ -164,7 +165,7 @@ unsigned refuse_on_pool_threads(long nr) {
 
 int main(int argc, char** argv) {
   std::string name = argc > 1 ? argv[1] : "test-peer";
-#ifdef FERRY_TEST_SIMVERBS
+#if FERRY_HAS_VERBS
   if (std::getenv(test::kSimVerbsEnv) != nullptr) test::use_simulated_verbs();
 #endif
   ConnectorOptions options;

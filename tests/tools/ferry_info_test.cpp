@@ -12,6 +12,7 @@
 #include <ferry/connector.hpp>
 #include <nlohmann/json.hpp>
 
+#include "build_config.hpp"
 #include "tests/tools/ferry_info_run.hpp"
 
 namespace ferry::test {
@@ -45,7 +46,7 @@ TEST(FerryInfo, PlainOutputNamesTcpAvailable) {
   EXPECT_NE(run.out.find("highest-ranked method both offer"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("here nothing restricts it."), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("Offered here, best first: "), std::string::npos) << run.out;
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
   // Built: shown as probe_methods has it, offered or with its reason.
   EXPECT_TRUE(std::regex_search(
       run.out, std::regex("\n  verbs +300  (available +needs: |unavailable +)\\S")))
@@ -57,7 +58,7 @@ TEST(FerryInfo, PlainOutputNamesTcpAvailable) {
       << run.out;
 #endif
   ASSERT_TRUE(kNoCudaDriver);
-#ifdef FERRY_WITH_CUDA
+#if FERRY_HAS_CUDA
   // The driver this process names (below) is missing: ferry-info says so, and why.
   EXPECT_TRUE(std::regex_search(
       run.out, std::regex("\n  cuda +no CUDA driver: /nonexistent/ferry-test/libcuda.so.1 cannot "
@@ -141,7 +142,7 @@ TEST(FerryInfo, JsonListsMethodsBestFirst) {
   }
   EXPECT_EQ(method(doc, "tcp").at("rank"), 100);
   EXPECT_EQ(method(doc, "tcp").at("available"), true);
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
   EXPECT_EQ(method(doc, "verbs").at("built"), true);
   EXPECT_EQ(method(doc, "verbs").at("rank"), 300);
   if (!method(doc, "verbs").at("available").get<bool>()) {
@@ -200,7 +201,7 @@ TEST(FerryInfo, SaysWhyNoRdmaDeviceIsListed) {
   }
   EXPECT_EQ(rdma.at("devices"), json::array()) << rdma.dump();
   ToolRun run = run_ferry_info({});
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
   if (!rdma.at("usable").get<bool>()) {
     // libibverbs or librdmacm cannot be loaded: the loader says why.
     std::string error = rdma.at("error");

@@ -24,6 +24,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "build_config.hpp"
 #include "loop/event_loop.hpp"
 #include "loop/ids.hpp"
 #include "tests/support/fake_transport.hpp"
@@ -32,7 +33,7 @@
 #include "transport/kit/exposure_table.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 #include "transport/transport.hpp"
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
 #include "tests/support/simverbs/simverbs.hpp"
 #include "transport/verbs/verbs_transport.hpp"
 #endif
@@ -161,7 +162,7 @@ Harness cma_harness() {
           }};
 }
 
-#ifdef FERRY_WITH_VERBS
+#if FERRY_HAS_VERBS
 VerbsOptions verbs_options(const Params& p) {
   VerbsOptions o;
   if (p.chunk_size != 0) {
@@ -197,11 +198,9 @@ Harness verbs_harness() {
 
 std::vector<Harness> harnesses() {
   return {
-      tcp_harness(),
-      fake_harness(),
-      cma_harness(),
-#ifdef FERRY_WITH_VERBS
-      verbs_harness(),
+    tcp_harness(), fake_harness(), cma_harness(),
+#if FERRY_HAS_VERBS
+        verbs_harness(),
 #endif
   };
 }

@@ -37,10 +37,11 @@
 #include <ferry/ferry.hpp>
 #include <nlohmann/json.hpp>
 
-#ifdef FERRY_INFO_WITH_VERBS
+#include "build_config.hpp"
+#if FERRY_HAS_VERBS
 #include "transport/verbs/verbs_devices.hpp"
 #endif
-#ifdef FERRY_INFO_WITH_CUDA
+#if FERRY_HAS_CUDA
 #include "transport/cuda/cuda_memory.hpp"
 #endif
 
@@ -166,7 +167,7 @@ struct LaterMethod {
   int rank;
 };
 std::vector<LaterMethod> later_methods() {
-#ifdef FERRY_INFO_WITH_VERBS
+#if FERRY_HAS_VERBS
   return {};
 #else
   return {{"verbs", 300}};
@@ -254,7 +255,7 @@ std::string selection_rule(const json& restricted) {
 
 /// CUDA memory: the driver ferry loads at run time and its devices, or why it cannot be used.
 json cuda_memory_facts(const json& methods) {
-#ifdef FERRY_INFO_WITH_CUDA
+#if FERRY_HAS_CUDA
   std::optional<ferry::transport::cuda::DriverInfo> info;
   try {
     info = ferry::transport::cuda::describe();
@@ -302,14 +303,14 @@ json methods_facts(const Args& args) {
   for (const json& m : methods)
     if (m["available"].get<bool>()) offered.push_back(m["method"].get<std::string>());
   json memory = json::array({
-#ifdef FERRY_INFO_WITH_CUDA
-      {{"kind", "host"},
-       {"supported", true},
-       {"detail", "moved by every method (by cuda_ipc to or from the peer's CUDA memory only)"}},
+#if FERRY_HAS_CUDA
+    {{"kind", "host"},
+     {"supported", true},
+     {"detail", "moved by every method (by cuda_ipc to or from the peer's CUDA memory only)"}},
 #else
-      {{"kind", "host"}, {"supported", true}, {"detail", "moved by every method"}},
+    {{"kind", "host"}, {"supported", true}, {"detail", "moved by every method"}},
 #endif
-      cuda_memory_facts(methods),
+        cuda_memory_facts(methods),
   });
   return {{"methods", methods},
           {"offered", offered},
@@ -323,7 +324,7 @@ json methods_facts(const Args& args) {
 /// The devices through the system's verbs table (transport/verbs/verbs_devices.hpp), or why
 /// there is none to ask.
 json rdma_facts() {
-#ifdef FERRY_INFO_WITH_VERBS
+#if FERRY_HAS_VERBS
   const ferry::transport::verbs::VerbsApi* api = nullptr;
   try {
     api = &ferry::transport::verbs::system_verbs();
