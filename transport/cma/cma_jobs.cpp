@@ -4,7 +4,8 @@
 #include <cerrno>
 #include <climits>
 
-#include "transport/cma/cma_transport.hpp"
+#include "transport/cma/cma_copier.hpp"
+#include "transport/cuda/stager.hpp"
 #include "transport/same_host/system.hpp"
 
 namespace ferry::transport::cma {
@@ -61,7 +62,25 @@ void Job::run() noexcept {
   state->cv.notify_all();
 }
 
-void CmaTransport::pump(CmaTransfer& t) {
+CmaCopier::CmaCopier(const Context& ctx, const CmaOptions& options, Owner& owner)
+    : ctx_(ctx), options_(options), owner_(owner) {}
+
+CmaCopier::~CmaCopier() { close(); }
+
+void CmaCopier::close() {
+  life_.end();
+  stager_.reset();
+}
+
+void CmaCopier::stop(CmaTransfer& t) {
+  // The jobs halt first, so that no job uses a staging chunk when the chunks go back.
+  t.copy->halt();
+  t.waiting_chunk = false;
+  if (stager_) stager_->drop(t.id());
+  t.units.clear();
+}
+
+void CmaCopier::pump(CmaTransfer& t) {
   if (t.finished() || !t.claimed || t.ended_by_owner) return;
   // CUDA memory on this side: through staging chunks (cma_staging.cpp), never inline.
   if (t.staged) {
@@ -76,10 +95,10 @@ void CmaTransport::pump(CmaTransfer& t) {
     queue_job(t, /*host_only=*/false);
 }
 
-std::unique_ptr<Job> CmaTransport::new_job(CmaTransfer& t) {
+std::unique_ptr<Job> CmaCopier::new_job(CmaTransfer& t) {
   auto job = std::make_unique<Job>();
   job->life = life_.watch();
-  job->transport = this;
+  job->copier = this;
   job->transfer = t.id();
   job->state = t.copy;
   job->owner = t.link->owner();
@@ -88,7 +107,7 @@ std::unique_ptr<Job> CmaTransport::new_job(CmaTransfer& t) {
   return job;
 }
 
-void CmaTransport::queue_job(CmaTransfer& t, bool host_only) {
+void CmaCopier::queue_job(CmaTransfer& t, bool host_only) {
   std::unique_ptr<Job> job = new_job(t);
   const std::vector<Segment>& segs = t.spec.segments;
   while (job->bytes < options_.chunk_size && job->local.size() < kIovMax && t.seg < segs.size() &&
@@ -108,16 +127,16 @@ void CmaTransport::queue_job(CmaTransfer& t, bool host_only) {
   queue(std::move(job), t);
 }
 
-void CmaTransport::queue(std::unique_ptr<Job> job, CmaTransfer& t) {
+void CmaCopier::queue(std::unique_ptr<Job> job, CmaTransfer& t) {
   job->req.data = job.get();
   ++t.jobs;
   uv_queue_work(
       ctx_.loop, &job->req, [](uv_work_t* req) { static_cast<Job*>(req->data)->run(); },
-      &CmaTransport::after_job);
+      &CmaCopier::after_job);
   (void)job.release();  // after_job owns it
 }
 
-void CmaTransport::copy_inline(CmaTransfer& t) {
+void CmaCopier::copy_inline(CmaTransfer& t) {
   // Small transfers cost less on the loop than a trip through the pool.
   std::unique_ptr<Job> job = new_job(t);
   for (const Segment& s : t.spec.segments) {
@@ -131,15 +150,15 @@ void CmaTransport::copy_inline(CmaTransfer& t) {
   job_done(*job);
 }
 
-void CmaTransport::after_job(uv_work_t* req, int) {
+void CmaCopier::after_job(uv_work_t* req, int) {
   std::unique_ptr<Job> job(static_cast<Job*>(req->data));
-  if (!job->life.alive()) return;  // the transport is closed
-  auto* self = static_cast<CmaTransport*>(job->transport);
+  if (!job->life.alive()) return;  // the copier is closed
+  CmaCopier* self = job->copier;
   loop::guarded(self->ctx_.log, "a cma copy", [&] { self->job_done(*job); });
 }
 
-void CmaTransport::job_done(Job& job) {
-  CmaTransfer* found = transfers_.find(job.transfer);
+void CmaCopier::job_done(Job& job) {
+  CmaTransfer* found = owner_.transfer(job.transfer);
   if (found == nullptr) return;
   CmaTransfer& t = *found;
   --t.jobs;
@@ -160,7 +179,7 @@ void CmaTransport::job_done(Job& job) {
     // owner fails at set-up and falls back.
     const Error error = copy_error(job.err, t.spec, job.owner->pid);
     if (job.err == EPERM) t.link->refused = error;
-    failed(t, error);
+    owner_.failed(t, error);
     return;
   }
   if (job.unit != 0) {
@@ -168,17 +187,10 @@ void CmaTransport::job_done(Job& job) {
     return;
   }
   if (t.done == t.total && t.jobs == 0) {
-    all_copied(t);
+    owner_.copied(t);
     return;
   }
   pump(t);
-}
-
-void CmaTransport::all_copied(CmaTransfer& t) {
-  // Every byte is in place. A read is complete, and the owner learns it may let go; a write
-  // completes when the owner has acknowledged DONE: both sides then agree.
-  t.link->send_done(t.id(), t, nullptr);
-  if (t.spec.access == Access::read) transfers_.finish(t, std::nullopt);
 }
 
 }  // namespace ferry::transport::cma

@@ -12,14 +12,14 @@
 // host-to-device copy has ended. Host segments of the same transfer are copied straight, by
 // plain jobs, as in a host-only transfer.
 //
-// Ending a transfer (stop) halts its jobs first, then the stager drops its units (cancelling
-// their device copies, waiting for one under way, then giving the chunks back): when it
+// Ending a transfer (CmaCopier::stop) halts its jobs first, then the stager drops its units
+// (cancelling their device copies, waiting for one under way, then giving the chunks back): when it
 // returns, nothing touches either side's memory.
 
 #include <algorithm>
 #include <climits>
 
-#include "transport/cma/cma_transport.hpp"
+#include "transport/cma/cma_copier.hpp"
 #include "transport/cuda/stager.hpp"
 
 namespace ferry::transport::cma {
@@ -38,7 +38,7 @@ std::size_t busy(const CmaTransfer& t) {
 
 }  // namespace
 
-cuda::Stager& CmaTransport::stager() {
+cuda::Stager& CmaCopier::stager() {
   if (!stager_) {
     if (ctx_.cuda == nullptr)
       throw Error(ErrorCode::Unsupported, "cma moves host memory only here (no CUDA driver)");
@@ -48,7 +48,7 @@ cuda::Stager& CmaTransport::stager() {
     stager_ = std::make_unique<cuda::Stager>(ctx_.loop, *ctx_.cuda, ctx_.defer, options_.chunk_size,
                                              chunks, ctx_.log);
     stager_->set_wake([this](std::uint64_t id) {
-      CmaTransfer* t = transfers_.find(id);
+      CmaTransfer* t = owner_.transfer(id);
       if (t == nullptr || t->finished() || !t->waiting_chunk) return;
       t->waiting_chunk = false;
       pump(*t);
@@ -57,7 +57,7 @@ cuda::Stager& CmaTransport::stager() {
   return *stager_;
 }
 
-void CmaTransport::pump_staged(CmaTransfer& t) {
+void CmaCopier::pump_staged(CmaTransfer& t) {
   const std::vector<Segment>& segs = t.spec.segments;
   while (!t.finished() && !t.ended_by_owner && busy(t) < options_.parallel && t.seg < segs.size()) {
     if (segs[t.seg].cuda_device < 0) {
@@ -95,7 +95,7 @@ void CmaTransport::pump_staged(CmaTransfer& t) {
     try {
       unit = stager().open(t.id(), std::move(pieces));
     } catch (const Error& e) {
-      failed(t, e);
+      owner_.failed(t, e);
       return;
     }
     if (unit == 0) {
@@ -126,13 +126,13 @@ void CmaTransport::pump_staged(CmaTransfer& t) {
         });
       }
     } catch (const Error& e) {
-      failed(t, e);
+      owner_.failed(t, e);
       return;
     }
   }
 }
 
-void CmaTransport::unit_moved(CmaTransfer& t, std::uint64_t unit) {
+void CmaCopier::unit_moved(CmaTransfer& t, std::uint64_t unit) {
   auto u = t.units.find(unit);
   if (u == t.units.end()) return;
   u->second.queued = false;
@@ -146,19 +146,19 @@ void CmaTransport::unit_moved(CmaTransfer& t, std::uint64_t unit) {
       unit_copied(id, unit, error);
     });
   } catch (const Error& e) {
-    failed(t, e);
+    owner_.failed(t, e);
   }
 }
 
-void CmaTransport::unit_copied(std::uint64_t transfer, std::uint64_t unit,
-                               const std::optional<Error>& error) {
-  CmaTransfer* t = transfers_.find(transfer);
+void CmaCopier::unit_copied(std::uint64_t transfer, std::uint64_t unit,
+                            const std::optional<Error>& error) {
+  CmaTransfer* t = owner_.transfer(transfer);
   if (t == nullptr || t->finished()) return;
   auto u = t->units.find(unit);
   if (u == t->units.end()) return;
   if (error) {
-    failed(*t, Error(ErrorCode::Internal,
-                     "cma: staging copy of CUDA memory failed: " + error->message()));
+    owner_.failed(*t, Error(ErrorCode::Internal,
+                            "cma: staging copy of CUDA memory failed: " + error->message()));
     return;
   }
   if (t->spec.access == Access::read) {
@@ -179,12 +179,12 @@ void CmaTransport::unit_copied(std::uint64_t transfer, std::uint64_t unit,
   queue(std::move(job), *t);
 }
 
-void CmaTransport::unit_done(CmaTransfer& t, std::uint64_t unit) {
+void CmaCopier::unit_done(CmaTransfer& t, std::uint64_t unit) {
   t.done += stager_->bytes(unit);
   t.units.erase(unit);
   stager_->close(unit);
   if (t.done == t.total && t.jobs == 0) {
-    all_copied(t);
+    owner_.copied(t);
     return;
   }
   pump(t);

@@ -16,6 +16,8 @@
 
 namespace ferry::transport::cma {
 
+class CmaCopier;
+
 /// Shared by a transfer and its copy jobs: a job starts copying only while `stop` is false,
 /// and counts itself in `copying` meanwhile; stopping waits until `copying` is 0.
 struct CopyState {
@@ -36,8 +38,8 @@ struct CopyState {
 /// pool (or on the loop, for small transfers).
 struct Job {
   uv_work_t req{};
-  kit::Lifetime::Watch life;  ///< the transport's: after_job does nothing once it is closed
-  void* transport = nullptr;
+  kit::Lifetime::Watch life;  ///< the copier's: after_job does nothing once it is closed
+  CmaCopier* copier = nullptr;
   std::uint64_t transfer = 0;
   std::shared_ptr<CopyState> state;
   std::shared_ptr<same_host::OwnerProcess> owner;

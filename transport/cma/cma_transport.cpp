@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "transport/cuda/stager.hpp"
 #include "transport/method.hpp"
 #include "transport/same_host/owner_info.hpp"
 #include "transport/same_host/system.hpp"
@@ -21,6 +20,7 @@ CmaTransport::CmaTransport(const Context& ctx, const CmaOptions& options, std::u
     : ctx_(ctx),
       options_(options),
       caps_(cma_method().capabilities(ctx)),
+      copier_(ctx, options, static_cast<CmaCopier::Owner&>(*this)),
       links_(ctx.loop, ctx.defer),
       transfers_(ctx.defer, static_cast<kit::TransferHooks<CmaTransfer>&>(*this)) {
   if (options_.chunk_size == 0 || options_.parallel == 0)
@@ -55,13 +55,13 @@ void CmaTransport::close() {
   closed_ = true;
   life_.end();
   transfers_.detach_all();  // every copy halted, every chunk back
-  stager_.reset();
+  copier_.close();
   listener_->close();
   links_.close();
 }
 
 std::shared_ptr<const Registration> CmaTransport::register_memory(const Region& region) {
-  // CUDA memory of the active side too, where the driver is usable (cma_staging.cpp).
+  // CUDA memory of the active side too, where the driver is usable (staged by the copier).
   if (!caps_.moves(region.kind)) throw Error(ErrorCode::Unsupported, "cma moves host memory only");
   return registrations_.acquire(region);
 }
@@ -129,9 +129,9 @@ void CmaTransport::granted(std::uint64_t id, const Token& secret) {
   if (t == nullptr || t->finished()) return;
   t->secret = secret;
   if (t->total == 0)
-    all_copied(*t);
+    copied(*t);
   else
-    pump(*t);
+    copier_.pump(*t);
 }
 
 void CmaTransport::ended(std::uint64_t id, std::optional<Error> error, bool setup) {
@@ -146,12 +146,8 @@ void CmaTransport::link_closed(same_host::Link& link) {
 }
 
 void CmaTransport::stop(CmaTransfer& t) {
-  // No copy of this transfer runs after this: the local memory is the caller's again. The
-  // jobs halt first, so that no job uses a staging chunk when the chunks go back.
-  t.copy->halt();
-  t.waiting_chunk = false;
-  if (stager_) stager_->drop(t.id());
-  t.units.clear();
+  // No copy of this transfer runs after this: the local memory is the caller's again.
+  copier_.stop(t);
   if (t.link != nullptr) t.link->release(t.id(), t);
 }
 
@@ -167,6 +163,15 @@ void CmaTransport::settle(CmaTransfer& t) {
   link->detach(t.id());
   t.link = nullptr;
   links_.released(link);
+}
+
+CmaTransfer* CmaTransport::transfer(std::uint64_t id) { return transfers_.find(id); }
+
+void CmaTransport::copied(CmaTransfer& t) {
+  // Every byte is in place. A read is complete, and the owner learns it may let go; a write
+  // completes when the owner has acknowledged DONE: both sides then agree.
+  t.link->send_done(t.id(), t, nullptr);
+  if (t.spec.access == Access::read) transfers_.finish(t, std::nullopt);
 }
 
 void CmaTransport::failed(CmaTransfer& t, const Error& error) {

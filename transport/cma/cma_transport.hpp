@@ -8,6 +8,7 @@
 
 #include <ferry/options.hpp>
 
+#include "transport/cma/cma_copier.hpp"
 #include "transport/cma/cma_transfer.hpp"
 #include "transport/context.hpp"
 #include "transport/kit/link_pool.hpp"
@@ -17,20 +18,17 @@
 #include "transport/same_host/listener.hpp"
 #include "transport/transport.hpp"
 
-namespace ferry::transport::cuda {
-class Stager;
-}
-
 namespace ferry::transport::cma {
 
 /// The same-host method: the active side copies straight between the two address spaces with
-/// process_vm_readv / process_vm_writev, on libuv's thread pool, one copy job per chunk, each
-/// under a grant from the owner. The claim exchange is the same-host one (same_host::Listener
-/// on the owner's side, same_host::Link on the active side's). CUDA memory of the active side
-/// is staged through pinned host chunks (cuda::Stager); the owner's memory is host memory.
+/// process_vm_readv / process_vm_writev. Three parts: the claim exchange is the same-host one
+/// (same_host::Listener on the owner's side, same_host::Link on the active side's), and the
+/// copies are CmaCopier's (jobs under the owner's grant; CUDA memory of the active side staged
+/// through pinned host chunks). The owner's memory is host memory.
 class CmaTransport final : public Transport,
                            private kit::TransferHooks<CmaTransfer>,
-                           private same_host::Link::Client {
+                           private same_host::Link::Client,
+                           private CmaCopier::Owner {
  public:
   /// Why this process cannot offer cma (none: it can).
   static std::optional<Error> unavailable(bool ptracer_any);
@@ -67,31 +65,12 @@ class CmaTransport final : public Transport,
   void ended(std::uint64_t id, std::optional<Error> error, bool setup) override;
   void link_closed(same_host::Link& link) override;
 
+  // CmaCopier::Owner
+  CmaTransfer* transfer(std::uint64_t id) override;
+  void copied(CmaTransfer& t) override;
+  void failed(CmaTransfer& t, const Error& error) override;
+
   same_host::Link& link_to(const TransferSpec& spec);
-  /// The transfer failed while copying: it ends, and the owner hears why.
-  void failed(CmaTransfer& t, const Error& error);
-
-  // Copies (cma_jobs.cpp).
-  void pump(CmaTransfer& t);
-  std::unique_ptr<Job> new_job(CmaTransfer& t);
-  /// Queues one copy job of the transfer's next pieces, up to a chunk (`host_only`: up to the
-  /// next segment of CUDA memory).
-  void queue_job(CmaTransfer& t, bool host_only);
-  void queue(std::unique_ptr<Job> job, CmaTransfer& t);
-  void copy_inline(CmaTransfer& t);
-  static void after_job(uv_work_t* req, int status);
-  void job_done(Job& job);
-  void all_copied(CmaTransfer& t);
-
-  // CUDA memory of the active side (cma_staging.cpp).
-  cuda::Stager& stager();
-  void pump_staged(CmaTransfer& t);
-  /// Unit `unit`'s process_vm_* job ended: a read's bytes go on to the device, a write's unit
-  /// is done.
-  void unit_moved(CmaTransfer& t, std::uint64_t unit);
-  /// A device copy of `unit` ended: a read's unit is done, a write's goes on to the owner.
-  void unit_copied(std::uint64_t transfer, std::uint64_t unit, const std::optional<Error>& error);
-  void unit_done(CmaTransfer& t, std::uint64_t unit);
 
   Context ctx_;
   CmaOptions options_;
@@ -100,7 +79,7 @@ class CmaTransport final : public Transport,
   kit::Lifetime life_;
   std::unique_ptr<same_host::Listener> listener_;
   kit::RegistrationCache registrations_{nullptr};
-  std::unique_ptr<cuda::Stager> stager_;
+  CmaCopier copier_;
   kit::LinkPool<same_host::Link> links_;
   std::uint64_t next_link_ = 1;
   kit::TransferTable<CmaTransfer> transfers_;
