@@ -300,7 +300,7 @@ void VerbsClient::wr_done(Conn& conn, std::uint64_t tid, const ibv_wc* error) {
     }
     const char* op = t.spec.access == Access::read ? "RDMA READ from" : "RDMA WRITE to";
     std::string text = std::string(op) + " peer '" + t.spec.peer_name +
-                       "' failed: " + t_.why_failed(conn, error->status);
+                       "' failed: " + conn.why_failed(error->status);
     if (error->status == IBV_WC_REM_ACCESS_ERR)
       // What a dead key means, in the words every method uses for a refused request (the
       // owner's notice, when it comes first, says why instead; it may not come: the owner's

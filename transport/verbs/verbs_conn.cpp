@@ -75,6 +75,21 @@ void Conn::post_recv(std::uint32_t slot) {
   (void)api_.post_recv(qp, &wr, &bad);
 }
 
+std::string Conn::why_failed(ibv_wc_status status) const {
+  std::string text = wc_status_text(status);
+  if (status == IBV_WC_REM_ACCESS_ERR) return text;
+  return text + port_down();
+}
+
+std::string Conn::port_down() const {
+  if (dev == nullptr) return {};
+  const std::uint8_t port = cm != nullptr && cm->port_num != 0 ? cm->port_num : 1;
+  ibv_port_attr attr{};
+  if (api_.query_port(dev->ctx, port, &attr) == 0 && attr.state != IBV_PORT_ACTIVE)
+    return " (" + dev->name + " port " + std::to_string(port) + " is down)";
+  return {};
+}
+
 void Conn::send_ctl(const wire::FrameHeader& h, std::string_view msg, std::string_view body) {
   wire::FrameHeader out = h;
   out.msg_len = static_cast<std::uint32_t>(std::min<std::size_t>(msg.size(), wire::kMaxMessage));

@@ -104,6 +104,12 @@ class Conn final : private wire::FrameReader::Handler {
   /// Fails the connection (PeerLost) unless it is up within `limit`; established() stops it.
   void arm_deadline(std::chrono::milliseconds limit);
   void established() noexcept { timer_.reset(); }
+  /// What an error completion on this connection means, with the state of its port when that
+  /// explains it ("transport retry counter exceeded (sim0 port 1 is down)").
+  std::string why_failed(ibv_wc_status status) const;
+  /// " (<device> port N is down)" when the port under this connection is not active, else
+  /// empty (a suffix for a message).
+  std::string port_down() const;
   /// Whether a control message (or window bind) is queued or in the send queue.
   bool telling() const noexcept {
     return !outbox.empty() || std::any_of(posted.begin(), posted.end(),

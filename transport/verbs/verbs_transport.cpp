@@ -84,7 +84,15 @@ VerbsTransport::VerbsTransport(const Context& ctx, const VerbsOptions& options, 
                 "verbs: bind address '" + ctx_.bind_address + "' is not a numeric address");
   devices_ = std::make_unique<Devices>(ctx_, api_, options_, static_cast<Devices::Handler&>(*this),
                                        counters_);
-  registrations_ = kit::RegistrationCache([this](const Region& r) { return register_region(r); });
+  // Cached registrations give no remote access of their own: a peer reaches memory only
+  // through a window bound for its claim (or a registration of the operation's own).
+  registrations_ = kit::RegistrationCache([this](const Region& region) {
+    int access = IBV_ACCESS_LOCAL_WRITE;
+    if (std::any_of(devices_->all().begin(), devices_->all().end(),
+                    [](const auto& d) { return d->windows; }))
+      access |= IBV_ACCESS_MW_BIND;
+    return devices_->register_everywhere(region, access);
+  });
   server_ = std::make_unique<VerbsServer>(*this, ctx_.defer);
   client_ = std::make_unique<VerbsClient>(*this, ctx_.defer);
   cm_channel_ = api_.create_event_channel();
@@ -177,16 +185,6 @@ void VerbsTransport::linger() {
   while (devices_ && telling() && std::chrono::steady_clock::now() < until) {
     if (devices_->drain_all() == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-}
-
-std::shared_ptr<void> VerbsTransport::register_region(const Region& region) {
-  // Cached registrations give no remote access of their own: a peer reaches memory only
-  // through a window bound for its claim (or a registration of the operation's own).
-  int access = IBV_ACCESS_LOCAL_WRITE;
-  if (std::any_of(devices_->all().begin(), devices_->all().end(),
-                  [](const auto& d) { return d->windows; }))
-    access |= IBV_ACCESS_MW_BIND;
-  return devices_->register_everywhere(region, access);
 }
 
 std::shared_ptr<const Registration> VerbsTransport::register_memory(const Region& region) {
@@ -315,7 +313,7 @@ void VerbsTransport::cm_event(rdma_cm_event& ev) {
       if (conn == nullptr || conn->state == Conn::State::failed) return;
       // A local port going down may reach us as a disconnect before its async event (or a
       // flushed completion) does: the port is named either way.
-      fail_conn(*conn, ErrorCode::PeerLost, what + port_down(*conn));
+      fail_conn(*conn, ErrorCode::PeerLost, what + conn->port_down());
       return;
     }
     default:
@@ -434,7 +432,7 @@ void VerbsTransport::completion(const ibv_wc& wc) {
   if ((wc.wr_id & kRecvBit) != 0) {
     if (wc.status != IBV_WC_SUCCESS) {
       if (wc.status != IBV_WC_WR_FLUSH_ERR)
-        fail_conn(*conn, ErrorCode::PeerLost, why_failed(*conn, wc.status));
+        fail_conn(*conn, ErrorCode::PeerLost, conn->why_failed(wc.status));
       return;
     }
     if (conn->state != Conn::State::failed) conn->received(wc);
@@ -452,26 +450,11 @@ void VerbsTransport::completion(const ibv_wc& wc) {
   }
   if (wc.status != IBV_WC_SUCCESS && conn->state != Conn::State::failed) {
     fail_conn(*conn, wc.status == IBV_WC_RETRY_EXC_ERR ? ErrorCode::PeerLost : ErrorCode::Internal,
-              why_failed(*conn, wc.status));
+              conn->why_failed(wc.status));
     return;
   }
   for (std::uint64_t tid : touched) client_->wr_done(*conn, tid, nullptr);
   if (conn->state == Conn::State::up) client_->pump(*conn);
-}
-
-std::string VerbsTransport::why_failed(const Conn& conn, ibv_wc_status status) {
-  std::string text = wc_status_text(status);
-  if (status == IBV_WC_REM_ACCESS_ERR) return text;
-  return text + port_down(conn);
-}
-
-std::string VerbsTransport::port_down(const Conn& conn) {
-  if (conn.dev == nullptr) return {};
-  const std::uint8_t port = conn.cm != nullptr && conn.cm->port_num != 0 ? conn.cm->port_num : 1;
-  ibv_port_attr attr{};
-  if (api_.query_port(conn.dev->ctx, port, &attr) == 0 && attr.state != IBV_PORT_ACTIVE)
-    return " (" + conn.dev->name + " port " + std::to_string(port) + " is down)";
-  return {};
 }
 
 void VerbsTransport::async_event(Device& dev, const ibv_async_event& ev) {

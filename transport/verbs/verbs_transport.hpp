@@ -265,12 +265,6 @@ class VerbsTransport final : public Transport, private Devices::Handler, private
   /// fails with `why`, and it is destroyed once its work requests are flushed.
   void fail_conn(Conn& conn, ErrorCode code, const std::string& why, bool setup = false);
   void destroy_conn(std::uint64_t id);
-  /// What an error completion on `conn` means, with the state of its port when that explains
-  /// it ("transport retry counter exceeded (sim0 port 1 is down)").
-  std::string why_failed(const Conn& conn, ibv_wc_status status);
-  /// " (<device> port N is down)" when the port under `conn` is not active, else empty.
-  std::string port_down(const Conn& conn);
-  std::shared_ptr<void> register_region(const Region& region);
   /// A registration covering `region`; for CUDA memory, of its whole allocation.
   std::shared_ptr<const Registration> acquire(const Region& region);
 
