@@ -58,7 +58,9 @@ Listener::Listener(const Context& ctx, std::string method, const std::string& pr
       conns_(ctx.defer) {
   socket_ = std::make_unique<kit::StreamListener>(
       ctx_.loop, listen_on(address_), method_, ctx_.listener,
-      [this](std::uint64_t id, const std::string& why) { evict(id, why); },
+      [this](std::uint64_t id, const std::string& why) {
+        if (StreamConnection* conn = conns_.find(id)) wire::evict(*conn, why);
+      },
       [this](int fd) { accept(fd); }, ctx_.log);
   OwnerInfo info;
   info.scope = this_process();
@@ -113,17 +115,6 @@ void Listener::accept(int fd) {
                      StreamConnection::Hello{ctx_.local_name, ctx_.local_id}, ctx_.log));
   peers_[id] = std::move(p);
   socket_->admission().accepted(id);
-}
-
-void Listener::evict(std::uint64_t id, const std::string& why) {
-  StreamConnection* conn = conns_.find(id);
-  if (conn == nullptr || !conn->open()) return;
-  FrameHeader h;
-  h.type = FrameType::status;
-  h.status = wire::to_wire(ErrorCode::AccessDenied);
-  conn->send(h, why);
-  conn->close_gracefully();
-  conn->fail(why);
 }
 
 std::optional<Error> Listener::on_hello(StreamConnection& conn, const FrameHeader&,
@@ -186,18 +177,6 @@ StreamConnection* Listener::end_claim(std::uint64_t conn_id, std::uint64_t id) {
 
 void Listener::finish_exposure(std::uint64_t id, std::optional<Error> peer_error) {
   end_claim(exposures_.finish(id, std::move(peer_error)), id);
-}
-
-void Listener::reply(StreamConnection& conn, std::uint64_t req, const Error* error) {
-  FrameHeader h;
-  h.type = FrameType::status;
-  h.req_id = req;
-  if (error == nullptr) {
-    conn.send(h);
-    return;
-  }
-  h.status = wire::to_wire(error->code());
-  conn.send(h, std::string_view(error->message()).substr(0, wire::kMaxMessage));
 }
 
 wire::Sink Listener::on_frame(StreamConnection& conn, const FrameHeader& h, std::string message) {

@@ -83,7 +83,6 @@ class Listener final : private wire::StreamConnection::Handler {
                                 wire::FrameHeader& reply) override;
 
   void accept(int fd);
-  void evict(std::uint64_t conn_id, const std::string& why);
   wire::Sink receive_claim(wire::StreamConnection& conn, const wire::FrameHeader& h);
   void serve_claim(wire::StreamConnection& conn, const wire::FrameHeader& h);
   void serve_done(wire::StreamConnection& conn, const wire::FrameHeader& h,
@@ -97,7 +96,6 @@ class Listener final : private wire::StreamConnection::Handler {
   bool close_grant(const Claimed& claim);
   /// Whether the peer of connection `conn_id` copies nothing: exited, or stopped.
   bool peer_idle(std::uint64_t conn_id) const;
-  void reply(wire::StreamConnection& conn, std::uint64_t req, const Error* error);
 
   Context ctx_;
   std::string method_;

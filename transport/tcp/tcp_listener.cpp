@@ -41,7 +41,9 @@ TcpListener::TcpListener(const Context& ctx, const TcpOptions& options,
     : ctx_(ctx), options_(options), exposures_("tcp", ctx.defer), conns_(ctx.defer) {
   socket_ = std::make_unique<kit::StreamListener>(
       ctx_.loop, listen_on(bind), "tcp", ctx_.listener,
-      [this](std::uint64_t id, const std::string& why) { evict(id, why); },
+      [this](std::uint64_t id, const std::string& why) {
+        if (StreamConnection* conn = conns_.find(id)) wire::evict(*conn, why);
+      },
       [this](int fd) { accept(fd); }, ctx_.log);
 }
 
@@ -83,19 +85,6 @@ void TcpListener::accept(int fd) {
                      StreamConnection::Role::server, fd, id, peer.to_string(), ctx_.peer_timeout,
                      false, StreamConnection::Hello{ctx_.local_name, ctx_.local_id}, ctx_.log));
   socket_->admission().accepted(id);
-}
-
-void TcpListener::evict(std::uint64_t id, const std::string& why) {
-  StreamConnection* conn = conns_.find(id);
-  if (conn == nullptr || !conn->open()) return;
-  // Tell it why, then free the slot at once: an evicted peer that never reads must not keep
-  // holding it while a lingering close waits for it.
-  FrameHeader h;
-  h.type = FrameType::status;
-  h.status = wire::to_wire(ErrorCode::AccessDenied);
-  conn->send(h, why);
-  conn->close_gracefully();
-  conn->fail(why);
 }
 
 std::optional<Error> TcpListener::on_hello(StreamConnection& conn, const FrameHeader&,
@@ -144,18 +133,6 @@ void TcpListener::finish_exposure(std::uint64_t id, std::optional<Error> peer_er
   const Error reason =
       peer_error ? *peer_error : Error(ErrorCode::Cancelled, "the operation ended");
   end_claim(exposures_.finish(id, std::move(peer_error)), id, reason);
-}
-
-void TcpListener::reply(StreamConnection& conn, std::uint64_t req, const Error* error) {
-  FrameHeader h;
-  h.type = FrameType::status;
-  h.req_id = req;
-  if (error == nullptr) {
-    conn.send(h);
-    return;
-  }
-  h.status = wire::to_wire(error->code());
-  conn.send(h, std::string_view(error->message()).substr(0, wire::kMaxMessage));
 }
 
 void TcpListener::claim(kit::Exposures::Entry& entry, StreamConnection& conn) {

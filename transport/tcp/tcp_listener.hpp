@@ -74,7 +74,6 @@ class TcpListener final : private wire::StreamConnection::Handler {
                                 wire::FrameHeader& reply) override;
 
   void accept(int fd);
-  void evict(std::uint64_t conn_id, const std::string& why);
   void serve_read(wire::StreamConnection& conn, const wire::FrameHeader& h);
   wire::Sink serve_write(wire::StreamConnection& conn, const wire::FrameHeader& h);
   void serve_done(wire::StreamConnection& conn, const wire::FrameHeader& h,
@@ -84,7 +83,6 @@ class TcpListener final : private wire::StreamConnection::Handler {
   /// become `reason`, a payload being received is drained, staged copies stop.
   wire::StreamConnection* end_claim(std::uint64_t conn_id, std::uint64_t id, const Error& reason);
   void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
-  void reply(wire::StreamConnection& conn, std::uint64_t req, const Error* error);
 
   // CUDA memory (tcp_listener_staging.cpp).
   cuda::Stager& stager();

@@ -174,15 +174,7 @@ void VerbsServer::lose(Conn& conn, const Error& error) {
 }
 
 void VerbsServer::reply(Conn& conn, std::uint64_t req, const Error* error) {
-  FrameHeader h;
-  h.type = FrameType::status;
-  h.req_id = req;
-  if (error == nullptr) {
-    conn.send_ctl(h);
-    return;
-  }
-  h.status = wire::to_wire(error->code());
-  conn.send_ctl(h, error->message());
+  conn.send_ctl(wire::status_frame(req, error), wire::status_text(error));
 }
 
 wire::Sink VerbsServer::receive_claim(Conn& conn, const FrameHeader& h) {

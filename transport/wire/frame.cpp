@@ -4,6 +4,8 @@
 
 #include <cstring>
 
+#include "transport/wire/status.hpp"
+
 namespace ferry::transport::wire {
 
 namespace {
@@ -59,6 +61,19 @@ FrameHeader decode(const std::byte* p) noexcept {
   h.len = get<std::uint64_t>(p + 40);
   std::memcpy(h.token.data(), p + 48, h.token.size());
   return h;
+}
+
+FrameHeader status_frame(std::uint64_t req_id, const Error* error) noexcept {
+  FrameHeader h;
+  h.type = FrameType::status;
+  h.req_id = req_id;
+  if (error != nullptr) h.status = to_wire(error->code());
+  return h;
+}
+
+std::string_view status_text(const Error* error) noexcept {
+  if (error == nullptr) return {};
+  return std::string_view(error->message()).substr(0, kMaxMessage);
 }
 
 std::optional<std::string> malformed(const FrameHeader& h) {

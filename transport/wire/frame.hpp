@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
+
+#include <ferry/error.hpp>
 
 #include "transport/memory.hpp"
 
@@ -53,6 +56,12 @@ FrameHeader decode(const std::byte* bytes) noexcept;
 /// Checks what every frame must satisfy (magic, version, known type, message length): what
 /// is wrong ("bad magic"), or none when the header is well formed.
 std::optional<std::string> malformed(const FrameHeader& header);
+
+/// The STATUS frame that answers request `req_id` (0: a notice about the connection): success
+/// when `error` is null, else its code (status.hpp). Its text is status_text(error).
+FrameHeader status_frame(std::uint64_t req_id, const Error* error) noexcept;
+/// The text of status_frame(req_id, error): the error's message, cut to kMaxMessage.
+std::string_view status_text(const Error* error) noexcept;
 
 /// Whether a frame of this type carries `len` bytes of payload after its message. The one rule,
 /// whatever carries the frames.

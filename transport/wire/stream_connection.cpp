@@ -478,4 +478,16 @@ void StreamConnection::fail(const std::string& reason) {
   handler_.on_closed(*this, reason);
 }
 
+void reply(StreamConnection& conn, std::uint64_t req_id, const Error* error) {
+  conn.send(status_frame(req_id, error), status_text(error));
+}
+
+void evict(StreamConnection& conn, const std::string& why) {
+  if (!conn.open()) return;
+  const Error reason(ErrorCode::AccessDenied, why);
+  reply(conn, 0, &reason);
+  conn.close_gracefully();
+  conn.fail(why);
+}
+
 }  // namespace ferry::transport::wire

@@ -223,4 +223,11 @@ class StreamConnection : private FrameReader::Handler {
   FrameReader reader_{*this};
 };
 
+/// Answers request `req_id` on `conn`: a STATUS, success when `error` is null.
+void reply(StreamConnection& conn, std::uint64_t req_id, const Error* error);
+/// Tells the peer why it goes (a notice, AccessDenied) and frees the connection at once: a
+/// listener's eviction. A peer that never reads must not keep its slot while a lingering close
+/// waits for it.
+void evict(StreamConnection& conn, const std::string& why);
+
 }  // namespace ferry::transport::wire
