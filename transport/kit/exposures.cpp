@@ -138,6 +138,18 @@ std::vector<std::byte> claim_payload(const std::vector<Segment>& segments) {
   return out;
 }
 
+ExposureTable::Verdict Exposures::check_done(std::uint64_t id, const Token& token,
+                                             std::uint16_t flags, std::uint64_t conn) {
+  if (flags != static_cast<std::uint16_t>(Access::read) &&
+      flags != static_cast<std::uint16_t>(Access::write)) {
+    ExposureTable::Verdict v;
+    v.code = ErrorCode::ProtocolError;
+    v.message = "DONE names no access kind";
+    return v;
+  }
+  return check(id, token, static_cast<Access>(flags), 0, 0, conn);
+}
+
 ExposureTable::Verdict Exposures::check_claim(std::uint64_t id, const Token& token,
                                               std::uint16_t flags, const void* payload,
                                               std::size_t bytes, std::uint64_t conn,

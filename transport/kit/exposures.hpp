@@ -46,6 +46,11 @@ class Exposures {
     return table_.check(id, token, access, addr, len, conn);
   }
 
+  /// Checks a DONE for operation `id` from connection `conn`: `flags` names an access kind
+  /// (else ProtocolError), and the token is live for that kind, as check() does.
+  ExposureTable::Verdict check_done(std::uint64_t id, const Token& token, std::uint16_t flags,
+                                    std::uint64_t conn);
+
   /// The (addr, len) ranges a claim names.
   using Ranges = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
   /// Checks a claim of operation `id` by connection `conn`: the access kind (the frame's

@@ -19,10 +19,6 @@ using wire::FrameHeader;
 using wire::FrameType;
 using wire::StreamConnection;
 
-std::string reason_of(std::uint32_t status, const std::string& message) {
-  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
-}
-
 }  // namespace
 
 Link::Link(const Context& ctx, Client& client, std::string method, std::uint64_t id,
@@ -273,9 +269,9 @@ void Link::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_
 void Link::on_status(const FrameHeader& h, const std::string& message) {
   if (h.req_id == 0 && h.op_id != 0) {
     // The owner ended operation op_id (cancelled, deadline, closed) and says why.
-    const Error ended(
-        wire::from_wire(h.status),
-        "peer " + conn_->describe_peer() + " ended the operation: " + reason_of(h.status, message));
+    const Error ended(wire::from_wire(h.status),
+                      "peer " + conn_->describe_peer() +
+                          " ended the operation: " + wire::reason_of(h.status, message));
     for (std::uint64_t id : transfers_)
       if (Claimant* c = client_.claimant(id);
           c != nullptr && c->transfer_spec->remote_id == h.op_id) {
@@ -295,8 +291,8 @@ void Link::on_status(const FrameHeader& h, const std::string& message) {
     return;
   }
   client_.ended(r->transfer,
-                Error(wire::from_wire(h.status), "peer " + conn_->describe_peer() +
-                                                     " refused: " + reason_of(h.status, message)),
+                Error(wire::from_wire(h.status), "peer " + conn_->describe_peer() + " refused: " +
+                                                     wire::reason_of(h.status, message)),
                 false);
 }
 

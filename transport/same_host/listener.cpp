@@ -41,10 +41,6 @@ int listen_on(const std::string& address) {
   return fd;
 }
 
-std::string reason_of(std::uint32_t status, const std::string& message) {
-  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
-}
-
 }  // namespace
 
 Listener::Listener(const Context& ctx, std::string method, const std::string& prefix,
@@ -292,26 +288,18 @@ void Listener::serve_claim(StreamConnection& conn, const FrameHeader& h) {
 
 void Listener::serve_done(StreamConnection& conn, const FrameHeader& h,
                           const std::string& message) {
-  if (h.flags != static_cast<std::uint16_t>(Access::read) &&
-      h.flags != static_cast<std::uint16_t>(Access::write)) {
-    const Error refused(ErrorCode::ProtocolError, "DONE names no access kind");
-    reply(conn, h.req_id, &refused);
-    return;
-  }
-  const auto access = static_cast<Access>(h.flags);
-  auto v = exposures_.check(h.op_id, h.token, access, 0, 0, conn.id());
+  auto v = exposures_.check_done(h.op_id, h.token, h.flags, conn.id());
   if (!v.ok()) {
     const Error refused(v.code, v.message);
     reply(conn, h.req_id, &refused);
     return;
   }
+  const auto access = static_cast<Access>(h.flags);
   auto claim = claimed_.find(h.op_id);
   if (h.status != 0) {
     const Error noted(ErrorCode::Cancelled, "noted");
     reply(conn, h.req_id, &noted);
-    finish_exposure(h.op_id, Error(wire::from_wire(h.status),
-                                   "peer " + conn.describe_peer() +
-                                       " ended the transfer: " + reason_of(h.status, message)));
+    finish_exposure(h.op_id, wire::ended_by_peer(h.status, message, conn.describe_peer()));
     return;
   }
   if (claim == claimed_.end() || claim->second.conn != conn.id()) {

@@ -17,10 +17,6 @@ namespace {
 using wire::FrameHeader;
 using wire::FrameType;
 
-std::string reason_of(std::uint32_t status, const std::string& message) {
-  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
-}
-
 }  // namespace
 
 TcpLink::TcpLink(TcpTransport& owner, std::uint64_t id, const wire::SocketAddress& address,
@@ -218,7 +214,7 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
   if (h.req_id == 0 && h.op_id != 0) {
     // The owner ended operation op_id (cancelled, deadline, closed) and says why.
     const Error ended(wire::from_wire(h.status),
-                      peer() + " ended the operation: " + reason_of(h.status, message));
+                      peer() + " ended the operation: " + wire::reason_of(h.status, message));
     for (std::uint64_t id : transfers_)
       if (TcpTransfer* t = live(id); t != nullptr && t->spec.remote_id == h.op_id) {
         owner_.transfers_.finish(*t, ended);
@@ -239,7 +235,7 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
   t->reqs.erase(h.req_id);
   if (h.status != 0) {
     const Error refused(wire::from_wire(h.status),
-                        peer() + " refused: " + reason_of(h.status, message));
+                        peer() + " refused: " + wire::reason_of(h.status, message));
     owner_.transfers_.finish(*t, refused);
     // The passive side learns that this peer gave up, instead of waiting for its deadline (it
     // ignores the notice if the operation is another peer's, or over).

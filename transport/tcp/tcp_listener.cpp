@@ -30,10 +30,6 @@ int listen_on(const wire::SocketAddress& bind) {
   return fd;
 }
 
-std::string reason_of(std::uint32_t status, const std::string& message) {
-  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
-}
-
 }  // namespace
 
 TcpListener::TcpListener(const Context& ctx, const TcpOptions& options,
@@ -236,19 +232,13 @@ void TcpListener::on_payload(StreamConnection& conn, const FrameHeader& h, std::
 
 void TcpListener::serve_done(StreamConnection& conn, const FrameHeader& h,
                              const std::string& message) {
-  if (h.flags != static_cast<std::uint16_t>(Access::read) &&
-      h.flags != static_cast<std::uint16_t>(Access::write)) {
-    const Error refused(ErrorCode::ProtocolError, "DONE names no access kind");
-    reply(conn, h.req_id, &refused);
-    return;
-  }
-  const auto access = static_cast<Access>(h.flags);
-  auto v = exposures_.check(h.op_id, h.token, access, 0, 0, conn.id());
+  auto v = exposures_.check_done(h.op_id, h.token, h.flags, conn.id());
   if (!v.ok()) {
     const Error refused(v.code, v.message);
     reply(conn, h.req_id, &refused);
     return;
   }
+  const auto access = static_cast<Access>(h.flags);
   claim(*v.entry, conn);
   if (h.status == 0 && access == Access::write && stager_ && stager_->copying(h.op_id)) {
     // Bytes of earlier WRITEs are still on their way into the device: answer once they are
@@ -271,9 +261,7 @@ void TcpListener::serve_done(StreamConnection& conn, const FrameHeader& h,
     finish_exposure(h.op_id, std::nullopt);
     return;
   }
-  finish_exposure(h.op_id, Error(wire::from_wire(h.status),
-                                 "peer " + conn.describe_peer() +
-                                     " ended the transfer: " + reason_of(h.status, message)));
+  finish_exposure(h.op_id, wire::ended_by_peer(h.status, message, conn.describe_peer()));
 }
 
 void TcpListener::on_sent(StreamConnection& conn, std::uint64_t tag) {

@@ -36,10 +36,6 @@ ErrorCode code_of(ibv_wc_status status) {
   }
 }
 
-std::string reason_of(std::uint32_t status, const std::string& message) {
-  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
-}
-
 /// The window of the owner's memory that holds `remote`, or null.
 const Window* window_of(const VerbsTransfer& t, std::uint64_t remote) {
   auto w = std::upper_bound(t.windows.begin(), t.windows.end(), remote,
@@ -148,7 +144,7 @@ void VerbsClient::on_reply(Conn& conn, const FrameHeader& h, std::string msg, st
   const std::string who = "peer '" + t->spec.peer_name + "'";
   if (h.type == FrameType::status && h.status != 0) {
     transfers_.finish(
-        *t, Error(wire::from_wire(h.status), who + " refused: " + reason_of(h.status, msg)));
+        *t, Error(wire::from_wire(h.status), who + " refused: " + wire::reason_of(h.status, msg)));
     return;
   }
   if (p->done) {
@@ -179,9 +175,9 @@ void VerbsClient::on_notice(Conn& conn, const FrameHeader& h, const std::string&
   std::vector<VerbsTransfer*> now;
   for (VerbsTransfer* t : transfers_.all()) {
     if (t->conn != conn.id || t->finished() || t->spec.remote_id != h.op_id) continue;
-    t->ended_by_owner =
-        Error(wire::from_wire(h.status),
-              "peer '" + t->spec.peer_name + "' ended the operation: " + reason_of(h.status, msg));
+    t->ended_by_owner = Error(
+        wire::from_wire(h.status),
+        "peer '" + t->spec.peer_name + "' ended the operation: " + wire::reason_of(h.status, msg));
     if (t->outstanding == 0) now.push_back(t);
   }
   for (VerbsTransfer* t : now) transfers_.finish(*t, t->ended_by_owner);

@@ -19,10 +19,6 @@ using wire::FrameType;
 
 void* id_ptr(std::uint64_t id) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id)); }
 
-std::string reason_of(std::uint32_t status, const std::string& message) {
-  return message.empty() ? std::string(to_string(wire::from_wire(status))) : message;
-}
-
 }  // namespace
 
 VerbsServer::VerbsServer(VerbsTransport& t, kit::Defer defer)
@@ -299,25 +295,17 @@ void VerbsServer::serve_claim(Conn& conn, const FrameHeader& h, const std::strin
 }
 
 void VerbsServer::serve_done(Conn& conn, const FrameHeader& h, const std::string& message) {
-  if (h.flags != static_cast<std::uint16_t>(Access::read) &&
-      h.flags != static_cast<std::uint16_t>(Access::write)) {
-    const Error refused(ErrorCode::ProtocolError, "DONE names no access kind");
-    reply(conn, h.req_id, &refused);
-    return;
-  }
-  const auto access = static_cast<Access>(h.flags);
-  auto v = exposures_.check(h.op_id, h.token, access, 0, 0, conn.id);
+  auto v = exposures_.check_done(h.op_id, h.token, h.flags, conn.id);
   if (!v.ok()) {
     const Error refused(v.code, v.message);
     reply(conn, h.req_id, &refused);
     return;
   }
+  const auto access = static_cast<Access>(h.flags);
   if (h.status != 0) {
     const Error noted(ErrorCode::Cancelled, "noted");
     reply(conn, h.req_id, &noted);
-    finish_exposure(h.op_id, Error(wire::from_wire(h.status),
-                                   "peer " + conn.describe() +
-                                       " ended the transfer: " + reason_of(h.status, message)));
+    finish_exposure(h.op_id, wire::ended_by_peer(h.status, message, conn.describe()));
     return;
   }
   auto sit = served_.find(h.op_id);

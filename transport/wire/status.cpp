@@ -33,6 +33,15 @@ std::uint32_t to_wire(ErrorCode code) noexcept {
   return static_cast<std::uint32_t>(WireStatus::internal);
 }
 
+std::string reason_of(std::uint32_t status, const std::string& message) {
+  return message.empty() ? std::string(to_string(from_wire(status))) : message;
+}
+
+Error ended_by_peer(std::uint32_t status, const std::string& message, const std::string& peer) {
+  return Error(from_wire(status),
+               "peer " + peer + " ended the transfer: " + reason_of(status, message));
+}
+
 ErrorCode from_wire(std::uint32_t status) noexcept {
   for (const auto& [c, w] : kTable)
     if (static_cast<std::uint32_t>(w) == status) return c;

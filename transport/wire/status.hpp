@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <ferry/error.hpp>
 
@@ -32,5 +33,11 @@ std::uint32_t to_wire(ErrorCode code) noexcept;
 /// The ErrorCode a peer's status names; ProtocolError for 0 (no error) or a number the table
 /// does not have.
 ErrorCode from_wire(std::uint32_t status) noexcept;
+
+/// What a peer's STATUS or DONE says went wrong: its text, else the name of its status.
+std::string reason_of(std::uint32_t status, const std::string& message);
+/// The error a peer's failing DONE ends an operation with: the peer's code, naming the peer
+/// (`peer`, as StreamConnection::describe_peer() says it).
+Error ended_by_peer(std::uint32_t status, const std::string& message, const std::string& peer);
 
 }  // namespace ferry::transport::wire
