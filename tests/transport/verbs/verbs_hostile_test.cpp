@@ -93,8 +93,10 @@ int hostile_post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   return sim::api().post_send(qp, wr, bad);
 }
 
-const VerbsApi* table(int (*post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**)) {
-  auto* t = new VerbsApi(sim::api());  // one per test process and owner: kept
+/// The simulated device's table with `post_send` in place of its own; the test keeps it
+/// until the side that uses it is gone.
+std::unique_ptr<VerbsApi> table(int (*post_send)(ibv_qp*, ibv_send_wr*, ibv_send_wr**)) {
+  auto t = std::make_unique<VerbsApi>(sim::api());
   t->post_send = post_send;
   return t;
 }
@@ -106,9 +108,11 @@ TEST_F(Hostile, AnAnswerFromAnotherOwnersConnectionDoesNotCount) {
   auto honest_mem = test::buffer(kSize);
   auto hostile_mem = test::buffer(kSize);
   Log honest_log, hostile_log, t1_log, t2_log;
+  const auto honest_api = table(&honest_post_send);
+  const auto hostile_api = table(&hostile_post_send);
   Side client("client", &sim::api());
-  Side honest("honest", table(&honest_post_send));
-  Side hostile("hostile", table(&hostile_post_send));
+  Side honest("honest", honest_api.get());
+  Side hostile("hostile", hostile_api.get());
   const Offered at_honest = expose(honest, Access::write, honest_mem.data(), kSize, honest_log);
   const Offered at_hostile = expose(hostile, Access::write, hostile_mem.data(), kSize, hostile_log);
 
