@@ -56,9 +56,10 @@ std::string compose(ErrorCode code, const std::string& message, const std::strin
 }  // namespace
 
 Error::Error(ErrorCode code, const std::string& message, std::string field)
-    : std::runtime_error(compose(code, message, field)),
+    : std::runtime_error(""),  // what() is what_: the base's text is shared between copies
       code_(code),
       message_(message),
-      field_(std::move(field)) {}
+      field_(std::move(field)),
+      what_(compose(code, message, field_)) {}
 
 }  // namespace ferry

@@ -35,10 +35,15 @@ bool is_retryable(ErrorCode code) noexcept;
 
 /// The exception ferry throws, and the error a failed operation carries.
 /// `what()` reads "<Code>: <message>" and names the field when there is one.
+///
+/// Copies share nothing: an Error copied to another thread (an operation's error, read by the
+/// thread that waits while the loop thread drops its own copy) holds its own text, never a
+/// buffer reference-counted inside the standard library.
 class Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message, std::string field = {});
 
+  const char* what() const noexcept override { return what_.c_str(); }
   ErrorCode code() const noexcept { return code_; }
   /// The message without the code prefix.
   const std::string& message() const noexcept { return message_; }
@@ -50,6 +55,7 @@ class Error : public std::runtime_error {
   ErrorCode code_;
   std::string message_;
   std::string field_;
+  std::string what_;
 };
 
 }  // namespace ferry
