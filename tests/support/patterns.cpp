@@ -35,7 +35,11 @@ inline std::byte pattern_byte(std::uint64_t seed, std::uint64_t pos) {
 
 }  // namespace
 
-void fill_pattern(std::byte* data, std::size_t size, std::uint64_t seed, std::uint64_t offset) {
+// Not instrumented by ThreadSanitizer: a test fills its buffers before it hands them to ferry
+// (that order is the test's own), and instrumented, 256 MiB took 5.6 s of a TSan test's time.
+// Checks (first_mismatch) stay instrumented: they read what ferry wrote.
+__attribute__((no_sanitize("thread"))) void fill_pattern(std::byte* data, std::size_t size,
+                                                         std::uint64_t seed, std::uint64_t offset) {
   for (std::size_t i = 0; i < size; ++i) data[i] = pattern_byte(seed, offset + i);
 }
 
