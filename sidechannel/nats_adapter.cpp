@@ -16,17 +16,19 @@
 
 namespace ferry::sidechannel {
 
-namespace {
-
 // One uv_poll handle on one of ferry's duplicates. Heap-allocated; deleted, and its
 // descriptor closed, in the uv_close callback: only then has libuv forgotten the number.
-struct Watch {
+struct NatsSocketDriver::Watch {
   uv_poll_t handle{};
   NatsSocketDriver::Core* core = nullptr;
   int fd = -1;                   // ferry's duplicate of cnats' socket
   std::uint64_t generation = 0;  // the attachment it serves
   int events = 0;                // what it polls for now
 };
+
+namespace {
+
+using Watch = NatsSocketDriver::Watch;
 
 void on_watch_closed(uv_handle_t* handle) {
   auto* watch = static_cast<Watch*>(handle->data);

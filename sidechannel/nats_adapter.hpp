@@ -56,7 +56,8 @@ class NatsSocketDriver {
   /// returned): stops polling, closes ferry's duplicates and the wake-up handle. Idempotent.
   void shutdown();
 
-  struct Core;  // defined in the .cpp
+  struct Core;   // defined in the .cpp
+  struct Watch;  // defined in the .cpp
 
  private:
   std::unique_ptr<Core> core_;

@@ -2,6 +2,7 @@
 
 #include <uv.h>
 
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -18,6 +19,9 @@ class Stager;
 }
 
 namespace ferry::transport::cma {
+
+/// The most pieces one process_vm_readv/writev call takes (a job's list, a staged unit's).
+inline constexpr std::size_t kIovMax = IOV_MAX;
 
 /// The copies of cma's active transfers, once the owner has granted them: jobs of up to
 /// chunk_size bytes on libuv's pool, `parallel` per transfer, each under the owner's grant

@@ -2,7 +2,6 @@
 // small transfers copy on the loop at once.
 
 #include <cerrno>
-#include <climits>
 
 #include "transport/cma/cma_copier.hpp"
 #include "transport/cuda/stager.hpp"
@@ -11,8 +10,6 @@
 namespace ferry::transport::cma {
 
 namespace {
-
-constexpr std::size_t kIovMax = IOV_MAX;
 
 Error copy_error(int err, const TransferSpec& spec, std::int64_t pid) {
   const std::string who = "peer '" + spec.peer_name + "' (pid " + std::to_string(pid) + ")";

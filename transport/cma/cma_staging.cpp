@@ -17,7 +17,6 @@
 // returns, nothing touches either side's memory.
 
 #include <algorithm>
-#include <climits>
 
 #include "transport/cma/cma_copier.hpp"
 #include "transport/cuda/stager.hpp"
@@ -25,8 +24,6 @@
 namespace ferry::transport::cma {
 
 namespace {
-
-constexpr std::size_t kIovMax = IOV_MAX;
 
 /// Jobs on the pool plus units between their device copies: what `parallel` bounds.
 std::size_t busy(const CmaTransfer& t) {
