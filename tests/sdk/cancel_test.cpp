@@ -44,12 +44,6 @@ std::unique_ptr<std::byte[]> big_buffer(std::byte fill) {
   return buf;
 }
 
-bool all_equal(const std::byte* data, std::size_t size, std::byte value) {
-  for (std::size_t i = 0; i < size; ++i)
-    if (data[i] != value) return false;
-  return true;
-}
-
 TEST(Cancel, ActiveReadMidTransfer) {
   Connector owner(test::named("owner"));
   Connector reader(slow("reader"));
@@ -67,7 +61,7 @@ TEST(Cancel, ActiveReadMidTransfer) {
   EXPECT_EQ(ended_with(readable), ErrorCode::Cancelled);
   EXPECT_NE(readable.error()->message().find("reader"), std::string::npos)
       << readable.error()->message();
-  EXPECT_TRUE(all_equal(dst.get(), kBig, kSentinel));
+  EXPECT_EQ(test::first_not(dst.get(), kBig, kSentinel), -1);
   // A late attempt with the same metadata finds a dead token.
   auto again = reader.begin_read(readable.metadata(), {Descriptor(dst.get(), kBig)});
   EXPECT_EQ(ended_with(again), ErrorCode::AccessDenied);
@@ -131,7 +125,7 @@ TEST(Cancel, PassiveWritableMidTransfer) {
   std::memset(dst.get(), static_cast<int>(kSentinel), kBig);
   ErrorCode code = ended_with(write);
   EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied) << to_string(code);
-  EXPECT_TRUE(all_equal(dst.get(), kBig, kSentinel)) << "a byte landed after cancel()";
+  EXPECT_EQ(test::first_not(dst.get(), kBig, kSentinel), -1) << "a byte landed after cancel()";
 }
 
 TEST(Cancel, DestroyingAnUnfinishedPassiveOperationKillsItsToken) {
@@ -146,7 +140,7 @@ TEST(Cancel, DestroyingAnUnfinishedPassiveOperationKillsItsToken) {
   }
   auto read = peer.begin_read(meta, {Descriptor(dst.data(), dst.size())});
   EXPECT_EQ(ended_with(read), ErrorCode::AccessDenied);
-  EXPECT_TRUE(all_equal(dst.data(), dst.size(), std::byte{0}));
+  EXPECT_EQ(test::first_not(dst.data(), dst.size(), std::byte{0}), -1);
 }
 
 TEST(Cancel, CancelAfterCompletionChangesNothing) {

@@ -602,13 +602,6 @@ bool landed(const std::byte* dst, const std::byte* src) {
       [&] { return std::memcmp(test::peek(dst, 64 << 10).data(), src, 64 << 10) == 0; }, 30s);
 }
 
-/// The offset of the first byte of `mem` that is not `value`, or -1.
-long long first_not(const std::byte* mem, std::size_t size, std::byte value) {
-  for (std::size_t i = 0; i < size; ++i)
-    if (mem[i] != value) return static_cast<long long>(i);
-  return -1;
-}
-
 /// Sets all `size` bytes of `dst` to kSentinel, within microseconds where an in-order copy
 /// from `src` (one job of `chunk` bytes at a time) has got to: the chunk being copied and the
 /// next, backwards from their end, so that a copy still under way there lands on the sentinel
@@ -663,13 +656,13 @@ TEST_P(CmaCancel, ACancelledWritableIsNeverTouchedByALateCopy) {
     // From here on the memory is ours again: whatever a late copy would put there shows.
     const std::size_t arrived = sentinel_from_frontier(dst.get(), src.get(), kBig, chunk);
     std::this_thread::sleep_for(200ms);
-    EXPECT_EQ(first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
+    EXPECT_EQ(test::first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
     EXPECT_LT(arrived, kBig) << "the write was over before cancel()";
     EXPECT_EQ(writable.status(), OperationStatus::cancelled);
     EXPECT_EQ(write.method(), "cma");
     const ErrorCode code = test::ended_with(write, 10s);
     EXPECT_TRUE(code == ErrorCode::Cancelled || code == ErrorCode::AccessDenied) << to_string(code);
-    EXPECT_EQ(first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
+    EXPECT_EQ(test::first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
     std::cout << "round " << round << ": cancelled after about " << arrived
               << " bytes had arrived; the write ended " << to_string(code) << std::endl;
   }
@@ -692,7 +685,7 @@ TEST_P(CmaCancel, ACancelledReadIsNeverTouchedByALateCopy) {
     read.cancel();
     const std::size_t arrived = sentinel_from_frontier(dst.get(), src.get(), kBig, chunk);
     std::this_thread::sleep_for(200ms);
-    EXPECT_EQ(first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
+    EXPECT_EQ(test::first_not(dst.get(), kBig, kSentinel), -1) << "a copy landed after cancel()";
     EXPECT_LT(arrived, kBig) << "the read was over before cancel()";
     EXPECT_EQ(read.status(), OperationStatus::cancelled);
     EXPECT_EQ(read.method(), "cma");
