@@ -4,11 +4,9 @@
 #include <memory>
 #include <utility>
 
-namespace ferry::transport::kit {
+#include "transport/context.hpp"  // Defer
 
-/// Runs a task after the current loop callback (EventLoop::defer): how a transport reports to
-/// its observers, never from inside a call into it.
-using Defer = std::function<void(std::function<void()>)>;
+namespace ferry::transport::kit {
 
 /// The life of an object that hands work to later: deferred tasks, jobs on libuv's pool,
 /// callbacks of the CUDA driver. Such work holds a Watch and does nothing once the object has

@@ -46,7 +46,7 @@ const Window* window_of(const VerbsTransfer& t, std::uint64_t remote) {
 
 }  // namespace
 
-VerbsClient::VerbsClient(VerbsTransport& t, kit::Defer defer)
+VerbsClient::VerbsClient(VerbsTransport& t, Defer defer)
     : t_(t),
       pending_([this](std::uint64_t conn, int delta) {
         if (Conn* c = t_.conn_of(conn)) c->expect_answers(delta);

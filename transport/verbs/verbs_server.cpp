@@ -21,7 +21,7 @@ void* id_ptr(std::uint64_t id) { return reinterpret_cast<void*>(static_cast<std:
 
 }  // namespace
 
-VerbsServer::VerbsServer(VerbsTransport& t, kit::Defer defer)
+VerbsServer::VerbsServer(VerbsTransport& t, Defer defer)
     : t_(t),
       exposures_("verbs", std::move(defer)),
       admission_(t.ctx_.loop, t.ctx_.listener, [this](std::uint64_t id, const std::string& why) {

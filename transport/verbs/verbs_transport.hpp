@@ -77,7 +77,7 @@ class VerbsTransfer final : public kit::TransferBase<VerbsTransfer> {
 /// claimant's queue pair; DONE ending it. The owner's CPU never touches the bytes.
 class VerbsServer {
  public:
-  VerbsServer(VerbsTransport& t, kit::Defer defer);
+  VerbsServer(VerbsTransport& t, Defer defer);
   /// Accepts a peer's connection, or rejects it and returns the id to destroy once the event
   /// is acknowledged.
   rdma_cm_id* connect_request(rdma_cm_event& event);
@@ -123,7 +123,7 @@ class VerbsServer {
 /// staging chunks.
 class VerbsClient final : private kit::TransferHooks<VerbsTransfer> {
  public:
-  VerbsClient(VerbsTransport& t, kit::Defer defer);
+  VerbsClient(VerbsTransport& t, Defer defer);
   ~VerbsClient();
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer);
   /// The connection of `t` is up: claim.
