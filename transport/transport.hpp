@@ -17,8 +17,14 @@
 
 namespace ferry::transport {
 
-/// What the peer of a passive operation may do to its memory.
-enum class Access : std::uint8_t { read = 1, write = 2 };
+/// What the peer of a passive operation may do to its memory. A request names read or write;
+/// a region's attachment may allow both (read_write, the two bits together).
+enum class Access : std::uint8_t { read = 1, write = 2, read_write = 3 };
+
+/// Whether `allowed` (a kind or read_write) lets a peer do `wanted` (read or write).
+constexpr bool allows(Access allowed, Access wanted) noexcept {
+  return (static_cast<std::uint8_t>(allowed) & static_cast<std::uint8_t>(wanted)) != 0;
+}
 
 /// One contiguous piece of an active transfer: `len` bytes at the peer's `remote_addr`
 /// (inside one of its regions) matched with `len` bytes at `local`.
@@ -126,6 +132,12 @@ std::optional<Error> refusal(F&& fn) {
   return std::nullopt;
 }
 
+struct RegionExposure;
+class RegionObserver;
+struct AttachSpec;
+class AttachObserver;
+class RemoteRegion;
+
 /// What an active operation asks of a transport.
 struct TransferSpec {
   std::uint64_t remote_id = 0;  ///< the passive operation's id at its owner
@@ -134,6 +146,9 @@ struct TransferSpec {
   std::vector<Segment> segments;
   Endpoint endpoint;      ///< one of the passive owner's endpoints, of this transport's method
   std::string peer_name;  ///< for error messages
+  /// A transfer on a region's attachment (remote_id and token are the attachment's): it ends
+  /// with an ENDED notice carrying this tag and its ranges, and does not end the attachment.
+  std::optional<std::string> region_tag;
 };
 
 /// An active transfer under way. Destroying it cancels it.
@@ -204,6 +219,26 @@ class Transport {
   /// Closes every connection and the listener; every exposure and transfer is dropped
   /// without observer calls. The transport serves nothing after.
   virtual void close() = 0;
+
+  // Regions (transport/region.hpp). A method that does not serve them yet keeps these
+  // defaults: serve_region and attach throw Error(Unsupported), and the connector offers
+  // regions by the methods that do.
+
+  /// Whether this method serves regions and attaches to them.
+  virtual bool serves_regions() const { return false; }
+  /// Serves `region` to every peer that attaches with its token. Returns the endpoint info,
+  /// as expose() does.
+  virtual std::string serve_region(const RegionExposure& region, RegionObserver& observer);
+  /// Ends attachment `attachment` (an id on_attached named): its secret dies, its transfers
+  /// under way end with `reason` at the peer, and when it returns none of that peer's requests
+  /// touches the memory again. No effect if unknown.
+  virtual void revoke_attachment(std::uint64_t attachment, const Error& reason);
+  /// Ends serving region `id`: its token dies and every attachment is revoked as above.
+  /// No observer call follows. No effect if unknown.
+  virtual void end_region(std::uint64_t id, const Error& reason);
+  /// Attaches to a peer's region. Throws Error for a spec it cannot carry out at all; later
+  /// outcomes go to the observer.
+  virtual std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer);
 };
 
 }  // namespace ferry::transport

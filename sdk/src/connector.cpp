@@ -11,14 +11,7 @@ namespace ferry {
 
 namespace {
 
-// Memory that ferry writes into must not be read-only.
-void check_writable(const std::vector<Descriptor>& local, const char* call) {
-  for (std::size_t i = 0; i < local.size(); ++i)
-    if (local[i].is_read_only())
-      throw Error(ErrorCode::InvalidArgument, std::string(call) + ": descriptor " +
-                                                  std::to_string(i) +
-                                                  " is read-only (made from const memory)");
-}
+using detail::check_writable;
 
 // Common front of create_readable / create_writable.
 std::shared_ptr<detail::PassiveOperation> create(detail::Core& core, OperationKind kind,

@@ -11,6 +11,7 @@
 #include "sdk/src/active_operation.hpp"
 #include "sdk/src/options.hpp"
 #include "sdk/src/passive_operation.hpp"
+#include "sdk/src/region_state.hpp"
 #include "sdk/src/subject_pairing.hpp"
 #include "sdk/src/transport_registry.hpp"
 #include "transport/cuda/cuda_memory.hpp"
@@ -56,6 +57,14 @@ std::uint8_t memory_kinds_of(const std::vector<Descriptor>& local) {
     kinds |= transport::bit(d.device().kind() == DeviceKind::cuda ? transport::MemoryKind::cuda
                                                                   : transport::MemoryKind::host);
   return kinds;
+}
+
+void check_writable(const std::vector<Descriptor>& local, const char* call) {
+  for (std::size_t i = 0; i < local.size(); ++i)
+    if (local[i].is_read_only())
+      throw Error(ErrorCode::InvalidArgument, std::string(call) + ": descriptor " +
+                                                  std::to_string(i) +
+                                                  " is read-only (made from const memory)");
 }
 
 void check_local(const std::vector<Descriptor>& local) {
@@ -214,6 +223,15 @@ void Core::shutdown() noexcept {
     for (auto& op : ops)
       op->finish(OperationStatus::cancelled,
                  Error(ErrorCode::Cancelled, "the connector was closed"));
+    const Error closing(ErrorCode::Cancelled, "the connector was closed");
+    std::vector<std::shared_ptr<AttachmentState>> attached;
+    for (auto& [id, weak] : attachments)
+      if (auto a = weak.lock()) attached.push_back(std::move(a));
+    for (auto& a : attached) a->detach(closing);
+    std::vector<std::shared_ptr<RegionState>> served;
+    for (auto& [id, weak] : regions)
+      if (auto r = weak.lock()) served.push_back(std::move(r));
+    for (auto& r : served) r->end(closing);
     for (auto& t : transports) t->close();
     transports.clear();
     // Last, and without blocking the loop: the cancelled operations' completion notices
@@ -312,62 +330,54 @@ std::shared_ptr<PassiveOperation> Core::create_passive(OperationKind kind,
   return op;
 }
 
-namespace {
+LoopStart::LoopStart(std::shared_ptr<OperationState> o, std::function<void(OperationState&)> s,
+                     std::chrono::milliseconds t)
+    : op(std::move(o)), start(std::move(s)), timeout(t) {}
 
-// An active operation's start, run on the loop: handed to it from another thread, or at once
-// on the loop thread. Either way a refusal it meets ends the operation with that error. When
-// the loop closes before running a posted start, the operation ends cancelled (no transport
-// ever saw it).
-struct LoopStart {
-  std::shared_ptr<ActiveOperation> op;
-  std::function<void(ActiveOperation&)> start;
-  std::chrono::milliseconds timeout{0};
-  bool ran = false;
+LoopStart::~LoopStart() {
+  if (!ran && op) op->abandon(Error(ErrorCode::Cancelled, "the connector was closed"));
+}
 
-  LoopStart(std::shared_ptr<ActiveOperation> o, std::function<void(ActiveOperation&)> s,
-            std::chrono::milliseconds t)
-      : op(std::move(o)), start(std::move(s)), timeout(t) {}
-  LoopStart(const LoopStart&) = delete;
-  LoopStart& operator=(const LoopStart&) = delete;
-  ~LoopStart() {
-    if (!ran && op) op->abandon(Error(ErrorCode::Cancelled, "the connector was closed"));
+void LoopStart::run() {
+  ran = true;
+  op->arm(timeout);
+  if (op->core->closed) {
+    op->finish(OperationStatus::cancelled, Error(ErrorCode::Cancelled, "the connector was closed"));
+    return;
   }
-
-  void run() {
-    ran = true;
-    op->arm(timeout);
-    if (op->core->closed) {
-      op->finish(OperationStatus::cancelled,
-                 Error(ErrorCode::Cancelled, "the connector was closed"));
-      return;
-    }
-    try {
-      start(*op);
-    } catch (const Error& e) {
-      op->finish(OperationStatus::errored, e);
-    }
+  try {
+    start(*op);
+  } catch (const Error& e) {
+    op->finish(OperationStatus::errored, e);
   }
-};
+}
 
-}  // namespace
-
-std::shared_ptr<ActiveOperation> Core::launch(std::shared_ptr<ActiveOperation> op,
-                                              std::function<void(ActiveOperation&)> start,
-                                              std::chrono::milliseconds timeout) {
-  op->set_status(OperationStatus::in_progress);
+void Core::launch(std::vector<std::shared_ptr<LoopStart>> starts) {
+  for (auto& s : starts) s->op->set_status(OperationStatus::in_progress);
   if (loop::EventLoop::Hold hold; loop->enter(hold)) {
     if (closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
     // At once, but as a posted start would: a set-up refusal is the operation's error, and
     // its callbacks run deferred, after the caller's stack has unwound. A caller learns of a
     // refusal the same way from every thread.
-    LoopStart(op, std::move(start), timeout).run();
-    return op;
+    for (auto& s : starts) s->run();
+    return;
   }
-  auto task = std::make_shared<LoopStart>(op, std::move(start), timeout);
-  if (!loop->post([task] { task->run(); })) {
-    task->ran = true;  // nothing to abandon: the caller gets the error
+  auto task = std::make_shared<std::vector<std::shared_ptr<LoopStart>>>(std::move(starts));
+  if (!loop->post([task] {
+        for (auto& s : *task) s->run();
+      })) {
+    for (auto& s : *task) s->ran = true;  // nothing to abandon: the caller gets the error
     throw Error(ErrorCode::InvalidState, "the connector is closed");
   }
+}
+
+std::shared_ptr<ActiveOperation> Core::launch(std::shared_ptr<ActiveOperation> op,
+                                              std::function<void(ActiveOperation&)> start,
+                                              std::chrono::milliseconds timeout) {
+  launch({std::make_shared<LoopStart>(
+      op,
+      [start = std::move(start)](OperationState& o) { start(static_cast<ActiveOperation&>(o)); },
+      timeout)});
   return op;
 }
 

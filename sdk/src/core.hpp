@@ -22,6 +22,27 @@ namespace ferry::detail {
 class OperationState;
 class PassiveOperation;
 class ActiveOperation;
+class RegionState;
+class AttachmentState;
+
+/// An operation's start, run on the loop: handed to it from another thread, or at once on the
+/// loop thread. Either way a refusal it meets ends the operation with that error. When the
+/// loop closes before running a posted start, the operation ends cancelled (no transport ever
+/// saw it).
+struct LoopStart {
+  std::shared_ptr<OperationState> op;
+  std::function<void(OperationState&)> start;
+  std::chrono::milliseconds timeout{0};
+  bool ran = false;
+
+  LoopStart(std::shared_ptr<OperationState> o, std::function<void(OperationState&)> s,
+            std::chrono::milliseconds t);
+  LoopStart(const LoopStart&) = delete;
+  LoopStart& operator=(const LoopStart&) = delete;
+  ~LoopStart();
+  /// Loop thread: arms the deadline and runs the start.
+  void run();
+};
 
 /// A connector's state. Operations hold it too, so it lives until the last handle is gone;
 /// shutdown() ends its loop and transports when the Connector itself is destroyed.
@@ -63,6 +84,10 @@ class Core : public std::enable_shared_from_this<Core> {
   /// transport's own view of reachability).
   void precheck(const RdmaMetadata& remote, std::uint8_t local_kinds) const;
 
+  /// Any thread: sets the operations in progress and runs their starts on the loop, with one
+  /// hand-over (inline on the loop thread). Throws InvalidState when the connector is closed.
+  void launch(std::vector<std::shared_ptr<LoopStart>> starts);
+
   std::chrono::milliseconds effective_timeout(const OperationOptions& options) const;
   /// Any thread.
   std::uint64_t next_id() noexcept { return next_id_.fetch_add(1, std::memory_order_relaxed); }
@@ -88,6 +113,9 @@ class Core : public std::enable_shared_from_this<Core> {
   std::vector<transport::Capabilities> capabilities;
   EndpointFilter allow;
   std::unordered_map<std::uint64_t, std::weak_ptr<OperationState>> live;
+  /// Regions served and attachments made here, until they end (shutdown() ends them).
+  std::unordered_map<std::uint64_t, std::weak_ptr<RegionState>> regions;
+  std::unordered_map<std::uint64_t, std::weak_ptr<AttachmentState>> attachments;
   bool closed = false;
   /// Any thread: what the operations came to (Connector::stats()).
   StatsRecorder stats;
@@ -112,6 +140,9 @@ class Core : public std::enable_shared_from_this<Core> {
 /// KindMismatch, SizeMismatch, InvalidArgument (bad local list), Unsupported.
 void check_remote(const RdmaMetadata& remote, OperationKind wanted,
                   const std::vector<Descriptor>& local);
+/// Throws InvalidArgument, naming `call`, when a descriptor of `local` is read-only (memory
+/// ferry would write into).
+void check_writable(const std::vector<Descriptor>& local, const char* call);
 /// Throws InvalidArgument for an empty or too long list or an overflowing total, Unsupported
 /// for memory this build cannot move.
 void check_local(const std::vector<Descriptor>& local);

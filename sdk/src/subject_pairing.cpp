@@ -6,6 +6,7 @@
 #include "sdk/src/active_operation.hpp"
 #include "sdk/src/core.hpp"
 #include "sdk/src/passive_operation.hpp"
+#include "sdk/src/region_state.hpp"
 #include "sidechannel/pairing.hpp"
 #include "transport/token.hpp"
 
@@ -106,6 +107,30 @@ void serve(Core& core, PassiveOperation& op, const std::string& subject, std::st
         // A subject that cannot be served fails the operation: nobody could ever pair.
         if (auto o = weak.lock(); o && !error.empty())
           o->finish(OperationStatus::errored, Error(ErrorCode::SideChannel, error));
+        registered->set_value();
+      });
+}
+
+void serve_region(Core& core, RegionState& region) {
+  std::string doc = region.metadata.to_json();
+  const auto limit = static_cast<std::uint64_t>(core.nats->max_payload());
+  if (doc.size() > limit)
+    throw Error(ErrorCode::InvalidArgument, "the region's metadata of " +
+                                                std::to_string(doc.size()) +
+                                                " bytes exceeds the NATS server's max_payload of " +
+                                                std::to_string(limit) + " bytes");
+  auto registered = std::make_shared<std::promise<void>>();
+  region.served = registered->get_future().share();
+  std::weak_ptr<RegionState> weak = region.shared_from_this();
+  region.serving = core.nats->serve(
+      region.options.subject,
+      [weak, doc = std::move(doc)](const std::string&) {
+        auto live = weak.lock();
+        return live && live->is_open() ? doc : std::string(kEndedAnswer);
+      },
+      [registered, weak](const std::string& error) {
+        // A subject that cannot be served ends the region: nobody could attach by it.
+        if (auto r = weak.lock(); r && !error.empty()) r->end(Error(ErrorCode::SideChannel, error));
         registered->set_value();
       });
 }

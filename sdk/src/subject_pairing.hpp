@@ -16,6 +16,7 @@ namespace ferry::detail {
 class Core;
 class PassiveOperation;
 class ActiveOperation;
+class RegionState;
 
 /// Pairing by subject (docs/sidechannel.md), all of it: the passive side serves its metadata
 /// at a subject, the active side asks for it there, and tells the owner how it ended by a
@@ -31,6 +32,9 @@ std::string document(Core& core, const PassiveOperation& op);
 /// server has the subscription. A subject that cannot be served errors the operation.
 void serve(Core& core, PassiveOperation& op, const std::string& subject, std::string document);
 void stop_serving(Core& core, PassiveOperation& op);
+/// Serves `region`'s metadata at its options.subject while it is open (RegionState::end stops
+/// it). Throws InvalidArgument when the document does not fit the server's max_payload.
+void serve_region(Core& core, RegionState& region);
 
 /// Asks for the metadata at `op.asking->subject` (again): the first valid answer starts the
 /// transfer; "no responders" and ended servers are asked again with a growing back-off, an

@@ -65,7 +65,7 @@ ExposureTable::Verdict ExposureTable::check(std::uint64_t id, const Token& token
     v.message = "no live operation matches this id and token";
     return v;
   }
-  if (entry->exposure.access != access) {
+  if (!allows(entry->exposure.access, access)) {
     v.code = ErrorCode::AccessDenied;
     v.message = entry->exposure.access == Access::read
                     ? "the operation is readable; it cannot be written"

@@ -7,6 +7,7 @@
 #include <cerrno>
 
 #include "transport/cuda/stager.hpp"
+#include "transport/kit/exposures.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 #include "transport/wire/status.hpp"
 
@@ -155,6 +156,10 @@ void TcpLink::send_done(TcpTransfer& t, const Error* error) {
   if (!conn_->open()) return;
   // Only a successful write waits for the answer; the rest are notices.
   const bool awaited = error == nullptr && t.spec.access == Access::write;
+  if (t.spec.region_tag) {
+    send_ended(t, error, awaited);
+    return;
+  }
   const std::uint64_t req = pending_.add(conn_->id(), Request{awaited ? t.id() : 0, Kind::done});
   if (awaited) t.reqs.insert(req);
   FrameHeader h;
@@ -173,9 +178,66 @@ void TcpLink::send_done(TcpTransfer& t, const Error* error) {
   conn_->send(h, message, nullptr, awaited ? t.id() : 0);
 }
 
+void TcpLink::send_ended(TcpTransfer& t, const Error* error, bool awaited) {
+  // A transfer on an attachment ends with ENDED: its tag and ranges for the owner's notice.
+  // A successful write's is awaited (its answer says the bytes are in) and tagged with the
+  // transfer, so that a cancel drops it; the others are notices whose ranges the link keeps
+  // until they leave.
+  FrameHeader h;
+  h.type = FrameType::ended;
+  h.op_id = t.spec.remote_id;
+  h.token = t.spec.token;
+  h.flags = static_cast<std::uint16_t>(t.spec.access);
+  if (error != nullptr) h.status = wire::to_wire(error->code());
+  std::vector<std::byte> ranges = kit::claim_payload(t.spec.segments);
+  h.len = ranges.size();
+  const std::string& tag = *t.spec.region_tag;
+  if (awaited) {
+    h.req_id = pending_.add(conn_->id(), Request{t.id(), Kind::done});
+    t.reqs.insert(h.req_id);
+    t.ended_ranges = std::move(ranges);
+    conn_->send(h, tag, t.ended_ranges.data(), t.id());
+    return;
+  }
+  const std::uint64_t key = kNoticeTag | next_notice_++;
+  auto& kept = notices_[key] = std::move(ranges);
+  conn_->send(h, tag, kept.data(), key);
+}
+
+void TcpLink::attach_region(TcpRemoteRegion& region) {
+  region.link = this;
+  regions_[region.id()] = &region;
+  owner_.links_.used(this);
+  FrameHeader h;
+  h.type = FrameType::attach;
+  h.req_id = pending_.add(conn_->id(), Request{region.id(), Kind::attach});
+  h.op_id = region.spec().region;
+  h.token = region.spec().token;
+  h.flags = static_cast<std::uint16_t>(region.spec().access);
+  conn_->send(h);
+}
+
+void TcpLink::drop_region(TcpRemoteRegion& region, bool detach) {
+  regions_.erase(region.id());
+  if (!detach || !conn_->open()) return;
+  FrameHeader h;
+  h.type = FrameType::detach;
+  h.op_id = region.attachment();
+  h.token = region.secret();
+  conn_->send(h);
+}
+
 wire::Sink TcpLink::on_frame(wire::StreamConnection& conn, const FrameHeader& h,
                              std::string message) {
   switch (h.type) {
+    case FrameType::attached: {
+      if (h.len != 0) return wire::fatal("ATTACHED with a payload from a tcp server");
+      std::optional<Request> r = pending_.take(h.req_id, conn.id());
+      if (!r || r->kind != Kind::attach) return wire::fatal("ATTACHED answers no ATTACH");
+      if (auto it = regions_.find(r->transfer); it != regions_.end())
+        it->second->attached(h.op_id, h.token);
+      return {};
+    }
     case FrameType::claimed:
       if (h.len != 0) return wire::fatal("CLAIMED with a payload from a tcp server");
       // Meant for the transfer of this link toward that operation (one at most: the owner binds
@@ -215,11 +277,13 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
     // The owner ended operation op_id (cancelled, deadline, closed) and says why.
     const Error ended(wire::from_wire(h.status),
                       peer() + " ended the operation: " + wire::reason_of(h.status, message));
+    // One transfer of an operation; every transfer of an attachment.
+    std::vector<TcpTransfer*> hit;
     for (std::uint64_t id : transfers_)
-      if (TcpTransfer* t = live(id); t != nullptr && t->spec.remote_id == h.op_id) {
-        owner_.transfers_.finish(*t, ended);
-        break;
-      }
+      if (TcpTransfer* t = live(id); t != nullptr && t->spec.remote_id == h.op_id) hit.push_back(t);
+    for (TcpTransfer* t : hit) owner_.transfers_.finish(*t, ended);
+    for (auto& [id, region] : regions_)
+      if (region->attachment() == h.op_id) region->ended(ended);
     return {};
   }
   if (h.req_id == 0) {
@@ -230,6 +294,13 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
   // Answers count only from the connection the request went out on.
   std::optional<Request> r = pending_.take(h.req_id, conn_->id());
   if (!r) return {};
+  if (r->kind == Kind::attach) {
+    if (h.status == 0) return wire::fatal("an ATTACH was answered with success but no ATTACHED");
+    const Error refused(wire::from_wire(h.status),
+                        peer() + " refused: " + wire::reason_of(h.status, message));
+    if (auto it = regions_.find(r->transfer); it != regions_.end()) it->second->refused(refused);
+    return {};
+  }
   TcpTransfer* t = live(r->transfer);
   if (t == nullptr) return {};
   t->reqs.erase(h.req_id);
@@ -260,6 +331,8 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
       break;
     case Kind::read_chunk:
       return wire::fatal("a read request was answered with success but no data");
+    case Kind::attach:
+      break;  // answered above
   }
   return {};
 }
@@ -321,6 +394,10 @@ void TcpLink::on_closed(wire::StreamConnection& conn, const std::string& reason)
   for (std::uint64_t id : transfers_)
     if (TcpTransfer* t = live(id)) on_it.push_back(t);
   pending_.drop_connection(conn.id());
+  std::vector<TcpRemoteRegion*> regions;
+  for (auto& [id, region] : regions_) regions.push_back(region);
+  regions_.clear();
+  for (TcpRemoteRegion* region : regions) region->lost(error, /*setup=*/!conn.greeted());
   // Before the peer's HELLO, nothing of either side's memory was touched: another method may
   // still work.
   owner_.link_lost(*this, on_it, error, /*setup=*/!conn.greeted());

@@ -5,9 +5,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "transport/kit/pending.hpp"
+#include "transport/tcp/tcp_region.hpp"
 #include "transport/tcp/tcp_transfer.hpp"
 #include "transport/wire/socket.hpp"
 #include "transport/wire/stream_connection.hpp"
@@ -38,17 +41,21 @@ class TcpLink final : private wire::StreamConnection::Handler {
   void send_done(TcpTransfer& t, const Error* error);
   /// Forgets `t`'s requests and its queued frames; nothing of it is read or written after.
   void release(TcpTransfer& t);
+  /// Sends `region`'s ATTACH; the answer goes to it.
+  void attach_region(TcpRemoteRegion& region);
+  /// `region` is going: forgotten, and when `detach`, its owner told (DETACH).
+  void drop_region(TcpRemoteRegion& region, bool detach);
 
   bool usable() const noexcept { return conn_->usable(); }
-  bool idle() const noexcept { return transfers_.empty(); }
+  bool idle() const noexcept { return transfers_.empty() && regions_.empty(); }
   /// Closes without calling back (the pool lets an idle link go, or the transport closes).
   void close() noexcept { conn_->close_gracefully(); }
   std::chrono::steady_clock::time_point idle_since{};
 
  private:
-  enum class Kind { read_chunk, write_chunk, done };
+  enum class Kind { read_chunk, write_chunk, done, attach };
   struct Request {
-    std::uint64_t transfer = 0;  ///< 0: nobody waits for the answer (a notice)
+    std::uint64_t transfer = 0;  ///< 0: nobody waits for the answer (a notice); attach: region
     Kind kind = Kind::done;
     std::byte* local = nullptr;
     std::uint64_t len = 0;
@@ -60,9 +67,10 @@ class TcpLink final : private wire::StreamConnection::Handler {
                       std::string message) override;
   void on_payload(wire::StreamConnection& conn, const wire::FrameHeader& h, std::uint64_t tag,
                   bool intact) override;
-  void on_sent(wire::StreamConnection&, std::uint64_t) override {}
+  void on_sent(wire::StreamConnection&, std::uint64_t tag) override { notices_.erase(tag); }
   void on_closed(wire::StreamConnection& conn, const std::string& reason) override;
 
+  void send_ended(TcpTransfer& t, const Error* error, bool awaited);
   /// Queues the next request of `t`; false when the window or a staging chunk stops it.
   bool request(TcpTransfer& t);
   wire::Sink on_status(const wire::FrameHeader& h, const std::string& message);
@@ -75,6 +83,12 @@ class TcpLink final : private wire::StreamConnection::Handler {
   std::unique_ptr<wire::StreamConnection> conn_;
   kit::PendingRequests<Request> pending_;
   std::unordered_set<std::uint64_t> transfers_;
+  /// Regions attached (or attaching) through this link, by their id at the transport.
+  std::unordered_map<std::uint64_t, TcpRemoteRegion*> regions_;
+  /// The ranges of ENDED notices not yet sent, by their frame's tag (kNoticeTag set).
+  std::unordered_map<std::uint64_t, std::vector<std::byte>> notices_;
+  std::uint64_t next_notice_ = 1;
+  static constexpr std::uint64_t kNoticeTag = std::uint64_t{1} << 61;
 };
 
 }  // namespace ferry::transport::tcp

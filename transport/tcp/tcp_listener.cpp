@@ -34,7 +34,11 @@ int listen_on(const wire::SocketAddress& bind) {
 
 TcpListener::TcpListener(const Context& ctx, const TcpOptions& options,
                          const wire::SocketAddress& bind)
-    : ctx_(ctx), options_(options), exposures_("tcp", ctx.defer), conns_(ctx.defer) {
+    : ctx_(ctx),
+      options_(options),
+      exposures_("tcp", ctx.defer),
+      conns_(ctx.defer),
+      regions_("tcp", exposures_, ctx.defer) {
   socket_ = std::make_unique<kit::StreamListener>(
       ctx_.loop, listen_on(bind), "tcp", ctx_.listener,
       [this](std::uint64_t id, const std::string& why) {
@@ -64,6 +68,8 @@ void TcpListener::close() {
   waiting_reads_.clear();
   parked_done_.clear();
   socket_->close();
+  ending_.clear();
+  regions_.clear();
   exposures_.clear();
   conns_.clear([](StreamConnection& c) { c.close_gracefully(); });
   // Last: the connections above may have sent their last frames from staging chunks.
@@ -109,7 +115,8 @@ StreamConnection* TcpListener::end_claim(std::uint64_t conn_id, std::uint64_t id
                                          const Error& reason) {
   StreamConnection* conn = conn_id == 0 ? nullptr : conns_.find(conn_id);
   if (conn == nullptr) return nullptr;
-  conn->expect_answers(-1);  // the claim no longer waits for this peer
+  // The claim no longer waits for this peer (an attachment, idle between transfers, never did).
+  if (!regions_.is_attachment(id)) conn->expect_answers(-1);
   // Read responses still queued become error answers that tell the claimant why (one partly
   // sent finishes from a copy); a payload being received is drained, not stored.
   auto replace = [&](FrameHeader& h, std::string& message) {
@@ -158,6 +165,14 @@ wire::Sink TcpListener::on_frame(StreamConnection& conn, const FrameHeader& h,
       return serve_write(conn, h);
     case FrameType::done:
       serve_done(conn, h, message);
+      return {};
+    case FrameType::attach:
+      serve_attach(conn, h);
+      return {};
+    case FrameType::ended:
+      return receive_ended(conn, h, std::move(message));
+    case FrameType::detach:
+      serve_detach(conn, h);
       return {};
     default:
       return wire::fatal("unexpected frame type " + std::to_string(static_cast<int>(h.type)) +
@@ -211,6 +226,14 @@ wire::Sink TcpListener::serve_write(StreamConnection& conn, const FrameHeader& h
 
 void TcpListener::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_t,
                              bool intact) {
+  if (h.type == FrameType::ended) {
+    auto it = ending_.find(conn.id());
+    if (it == ending_.end()) return;
+    Ending e = std::move(it->second);
+    ending_.erase(it);
+    if (intact) serve_ended(conn, h, std::move(e.tag), std::move(e.ranges));
+    return;
+  }
   if (!receiving_.empty() && staged_payload(conn, h, intact)) return;
   // The end of a WRITE: answer it now that its bytes are in memory (or were refused).
   if (intact && exposures_.find(h.op_id) != nullptr) {
@@ -243,7 +266,7 @@ void TcpListener::serve_done(StreamConnection& conn, const FrameHeader& h,
   if (h.status == 0 && access == Access::write && stager_ && stager_->copying(h.op_id)) {
     // Bytes of earlier WRITEs are still on their way into the device: answer once they are
     // all there (write_copied serves this DONE again).
-    parked_done_[h.op_id] = Parked{conn.id(), h, message};
+    parked_done_.emplace(h.op_id, Parked{conn.id(), h, message, {}});
     return;
   }
   if (h.status == 0 && access == Access::write) {
@@ -281,11 +304,104 @@ void TcpListener::on_sent(StreamConnection& conn, std::uint64_t tag) {
 }
 
 void TcpListener::on_closed(StreamConnection& conn, const std::string& reason) {
+  ending_.erase(conn.id());
   drop_staged_conn(conn.id());
   exposures_.lose_connection(conn.id(), Error(ErrorCode::PeerLost, "peer " + conn.describe_peer() +
                                                                        " disconnected: " + reason));
   socket_->admission().closed(conn.id());
   conns_.bury(conn.id());
+}
+
+}  // namespace ferry::transport::tcp
+
+namespace ferry::transport::tcp {
+
+void TcpListener::serve_region(const RegionExposure& region, RegionObserver& observer) {
+  regions_.add(region, observer);
+}
+
+void TcpListener::serve_attach(StreamConnection& conn, const FrameHeader& h) {
+  auto v = regions_.attach(h.op_id, h.token, h.flags, conn.id(), conn.peer_name(),
+                           conn.describe_peer(), conn.peer_id());
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  // An attached peer has proved its token: the listener's bounds for strangers let it be.
+  socket_->admission().claimed(conn.id());
+  FrameHeader a;
+  a.type = FrameType::attached;
+  a.req_id = h.req_id;
+  a.op_id = v.attachment;
+  a.token = v.secret;
+  conn.send(a);
+}
+
+wire::Sink TcpListener::receive_ended(StreamConnection& conn, const FrameHeader& h,
+                                      std::string tag) {
+  if (h.len == 0 || h.len % 16 != 0 || h.len > kit::Regions::kMaxEndedBytes)
+    return wire::fatal("ENDED of " + std::to_string(h.len) + " bytes of ranges");
+  Ending& e = ending_[conn.id()];
+  e.tag = std::move(tag);
+  e.ranges.resize(h.len);
+  wire::Sink sink;
+  sink.dest = e.ranges.data();
+  return sink;
+}
+
+void TcpListener::serve_ended(StreamConnection& conn, const FrameHeader& h, std::string tag,
+                              std::vector<std::byte> ranges) {
+  if (h.status == 0 && h.flags == static_cast<std::uint16_t>(Access::write) && stager_ &&
+      stager_->copying(h.op_id)) {
+    // Bytes of earlier WRITEs are still on their way into the device: the owner hears of the
+    // transfer once they are all there (write_copied serves this ENDED again).
+    parked_done_.emplace(h.op_id, Parked{conn.id(), h, std::move(tag), std::move(ranges)});
+    return;
+  }
+  std::optional<Error> outcome;
+  if (h.status != 0) outcome = wire::ended_by_peer(h.status, {}, conn.describe_peer());
+  auto v = regions_.ended(h.op_id, h.token, h.flags, std::move(outcome), std::move(tag),
+                          ranges.data(), ranges.size(), conn.id());
+  if (h.req_id == 0) return;  // a notice: nobody waits for the answer
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  reply(conn, h.req_id, nullptr);
+}
+
+void TcpListener::serve_detach(StreamConnection& conn, const FrameHeader& h) {
+  if (!regions_.holds(h.op_id, h.token, conn.id())) return;
+  const Error reason(ErrorCode::Cancelled, "the peer detached");
+  // Its queued answers go before the attachment does (end_claim tells the two apart).
+  end_claim(conn.id(), h.op_id, reason);
+  regions_.detach(h.op_id, h.token, conn.id());
+}
+
+void TcpListener::end_attachment(std::uint64_t conn_id, std::uint64_t id, const Error& reason) {
+  if (StreamConnection* conn = end_claim(conn_id, id, reason)) {
+    FrameHeader h;
+    h.type = FrameType::status;
+    h.op_id = id;
+    h.status = wire::to_wire(reason.code());
+    conn->send(h, std::string_view(reason.message()).substr(0, wire::kMaxMessage));
+  }
+}
+
+void TcpListener::revoke_attachment(std::uint64_t attachment, const Error& reason) {
+  // Still an attachment while its answers are dropped (end_claim tells the two apart).
+  const kit::Exposures::Entry* entry = exposures_.find(attachment);
+  if (entry == nullptr || !regions_.is_attachment(attachment)) return;
+  end_attachment(entry->bound_to, attachment, reason);
+  regions_.revoke(attachment);
+}
+
+void TcpListener::end_region(std::uint64_t id, const Error& reason) {
+  for (const auto& [attachment, conn] : regions_.attachments_of(id))
+    end_attachment(conn, attachment, reason);
+  regions_.end(id);
 }
 
 }  // namespace ferry::transport::tcp

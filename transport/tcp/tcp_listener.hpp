@@ -14,6 +14,7 @@
 #include "transport/context.hpp"
 #include "transport/kit/connections.hpp"
 #include "transport/kit/exposures.hpp"
+#include "transport/kit/regions.hpp"
 #include "transport/kit/stream_listener.hpp"
 #include "transport/wire/socket.hpp"
 #include "transport/wire/stream_connection.hpp"
@@ -45,6 +46,12 @@ class TcpListener final : private wire::StreamConnection::Handler {
   /// Closes every connection and the socket, without observer calls.
   void close();
 
+  // Regions (docs/regions.md): ATTACH makes an attachment (kit::Regions), whose requests are
+  // served as an exposure's; ENDED tells the owner of a transfer; DETACH ends it.
+  void serve_region(const RegionExposure& region, RegionObserver& observer);
+  void revoke_attachment(std::uint64_t attachment, const Error& reason);
+  void end_region(std::uint64_t id, const Error& reason);
+
  private:
   /// A request served through a staging unit: a READ being copied out of the device and sent,
   /// or a WRITE being received and copied into it.
@@ -61,6 +68,12 @@ class TcpListener final : private wire::StreamConnection::Handler {
     std::uint64_t conn = 0;
     wire::FrameHeader h;
     std::string message;
+    std::vector<std::byte> payload;  ///< an ENDED's ranges
+  };
+  /// An ENDED whose ranges are being received.
+  struct Ending {
+    std::string tag;
+    std::vector<std::byte> ranges;
   };
 
   // wire::StreamConnection::Handler
@@ -79,6 +92,14 @@ class TcpListener final : private wire::StreamConnection::Handler {
   void serve_done(wire::StreamConnection& conn, const wire::FrameHeader& h,
                   const std::string& message);
   void claim(kit::Exposures::Entry& entry, wire::StreamConnection& conn);
+  void serve_attach(wire::StreamConnection& conn, const wire::FrameHeader& h);
+  wire::Sink receive_ended(wire::StreamConnection& conn, const wire::FrameHeader& h,
+                           std::string tag);
+  void serve_ended(wire::StreamConnection& conn, const wire::FrameHeader& h, std::string tag,
+                   std::vector<std::byte> ranges);
+  void serve_detach(wire::StreamConnection& conn, const wire::FrameHeader& h);
+  /// The owner ended attachment `id` bound to `conn_id`: its peer hears `reason`.
+  void end_attachment(std::uint64_t conn_id, std::uint64_t id, const Error& reason);
   /// The claim of exposure `id` by connection `conn_id` (0: none) ended: queued answers
   /// become `reason`, a payload being received is drained, staged copies stop.
   wire::StreamConnection* end_claim(std::uint64_t conn_id, std::uint64_t id, const Error& reason);
@@ -119,7 +140,10 @@ class TcpListener final : private wire::StreamConnection::Handler {
   std::map<std::uint64_t, Staged> staged_;                      ///< by staging unit
   std::unordered_map<std::uint64_t, std::uint64_t> receiving_;  ///< conn -> unit of its WRITE
   std::deque<Parked> waiting_reads_;                            ///< READs waiting for a chunk
-  std::unordered_map<std::uint64_t, Parked> parked_done_;       ///< by op: DONE after copies
+  /// By op: DONE (or an attachment's ENDEDs) after copies.
+  std::unordered_multimap<std::uint64_t, Parked> parked_done_;
+  kit::Regions regions_;
+  std::unordered_map<std::uint64_t, Ending> ending_;  ///< by connection
 };
 
 }  // namespace ferry::transport::tcp

@@ -51,7 +51,7 @@ void TcpListener::serve_read_staged(StreamConnection& conn, const FrameHeader& h
     return;
   }
   if (unit == 0) {
-    waiting_reads_.push_back(Parked{conn.id(), h, {}});
+    waiting_reads_.push_back(Parked{conn.id(), h, {}, {}});
     return;
   }
   staged_[unit] = Staged{h.op_id, conn.id(), h.req_id, false, h.addr, h.len};
@@ -144,12 +144,19 @@ void TcpListener::write_copied(std::uint64_t unit, const std::optional<Error>& e
     }
   }
   // A DONE that waited for this exposure's copies is answered behind the last one.
-  auto d = parked_done_.find(s.op);
-  if (d == parked_done_.end() || stager_->copying(s.op)) return;
-  Parked done = std::move(d->second);
-  parked_done_.erase(d);
-  if (StreamConnection* dc = conns_.find(done.conn); dc != nullptr && dc->open())
-    serve_done(*dc, done.h, done.message);
+  if (stager_->copying(s.op)) return;
+  auto [from, to] = parked_done_.equal_range(s.op);
+  std::vector<Parked> ready;
+  for (auto d = from; d != to; ++d) ready.push_back(std::move(d->second));
+  parked_done_.erase(s.op);
+  for (Parked& done : ready) {
+    StreamConnection* dc = conns_.find(done.conn);
+    if (dc == nullptr || !dc->open()) continue;
+    if (done.h.type == FrameType::ended)
+      serve_ended(*dc, done.h, std::move(done.message), std::move(done.payload));
+    else
+      serve_done(*dc, done.h, done.message);
+  }
 }
 
 void TcpListener::drop_staged(std::uint64_t op, StreamConnection* conn,

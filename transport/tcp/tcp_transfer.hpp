@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <unordered_set>
+#include <vector>
 
 #include "transport/kit/transfers.hpp"
 
@@ -26,6 +27,7 @@ class TcpTransfer final : public kit::TransferBase<TcpTransfer> {
   std::unordered_set<std::uint64_t> reqs;  ///< requests awaiting an answer
   unsigned copying = 0;                    ///< write units still being copied out of the device
   bool waiting_chunk = false;              ///< stopped for want of a staging chunk
+  std::vector<std::byte> ended_ranges;     ///< a region write's ENDED payload, until it leaves
 };
 
 }  // namespace ferry::transport::tcp

@@ -95,6 +95,49 @@ std::unique_ptr<Transfer> TcpTransport::start(TransferSpec spec, TransferObserve
   return handle;
 }
 
+std::string TcpTransport::serve_region(const RegionExposure& region, RegionObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  listener_->serve_region(region, observer);
+  return {};
+}
+
+void TcpTransport::revoke_attachment(std::uint64_t attachment, const Error& reason) {
+  listener_->revoke_attachment(attachment, reason);
+}
+
+void TcpTransport::end_region(std::uint64_t id, const Error& reason) {
+  listener_->end_region(id, reason);
+}
+
+std::unique_ptr<RemoteRegion> TcpTransport::attach(AttachSpec spec, AttachObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  const wire::SocketAddress addr = wire::endpoint_address(spec.endpoint);
+  auto region = std::make_unique<TcpRemoteRegion>(*this, next_region_++, std::move(spec), observer);
+  try {
+    link_to(addr, region->spec().peer_name).attach_region(*region);
+  } catch (const Error& e) {
+    region->lost(e, /*setup=*/true);
+  }
+  return region;
+}
+
+std::unique_ptr<Transfer> TcpTransport::start_on(TcpLink& link, TransferSpec spec,
+                                                 TransferObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  auto handle = transfers_.make(std::move(spec), observer);
+  link.attach(handle->get());
+  return handle;
+}
+
+void TcpTransport::forget_region(TcpRemoteRegion& region, bool detach) {
+  if (closed_) region.link = nullptr;  // the links are gone
+  if (region.link == nullptr) return;
+  TcpLink* link = region.link;
+  region.link = nullptr;
+  link->drop_region(region, detach);
+  if (!closed_) links_.released(link);
+}
+
 TcpLink& TcpTransport::link_to(const wire::SocketAddress& address, const std::string& peer_name) {
   const std::string key = address.to_string();
   // A connection that is closing (after a protocol error) takes no new requests.

@@ -12,6 +12,7 @@
 #include "transport/kit/transfers.hpp"
 #include "transport/tcp/tcp_link.hpp"
 #include "transport/tcp/tcp_listener.hpp"
+#include "transport/tcp/tcp_region.hpp"
 #include "transport/tcp/tcp_transfer.hpp"
 #include "transport/transport.hpp"
 
@@ -37,8 +38,15 @@ class TcpTransport final : public Transport, private kit::TransferHooks<TcpTrans
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
   void close() override;
 
+  bool serves_regions() const override { return true; }
+  std::string serve_region(const RegionExposure& region, RegionObserver& observer) override;
+  void revoke_attachment(std::uint64_t attachment, const Error& reason) override;
+  void end_region(std::uint64_t id, const Error& reason) override;
+  std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer) override;
+
  private:
   friend class TcpLink;
+  friend class TcpRemoteRegion;
 
   // kit::TransferHooks
   void stop(TcpTransfer& t) override;
@@ -51,6 +59,10 @@ class TcpTransport final : public Transport, private kit::TransferHooks<TcpTrans
   /// touched when `setup`.
   void link_lost(TcpLink& link, const std::vector<TcpTransfer*>& on_it, const Error& error,
                  bool setup);
+  /// A transfer on `link` (a region's attachment lives on one connection).
+  std::unique_ptr<Transfer> start_on(TcpLink& link, TransferSpec spec, TransferObserver& observer);
+  /// `region` is going: its link forgets it and, when `detach`, tells the owner.
+  void forget_region(TcpRemoteRegion& region, bool detach);
   /// The client's staging, made on the first CUDA memory.
   cuda::Stager& stager();
   void staging_failed(TcpTransfer& t, const Error& error);
@@ -68,6 +80,7 @@ class TcpTransport final : public Transport, private kit::TransferHooks<TcpTrans
   std::unique_ptr<cuda::Stager> stager_;
   kit::LinkPool<TcpLink> links_;
   std::uint64_t next_link_ = 1;
+  std::uint64_t next_region_ = 1;
   kit::TransferTable<TcpTransfer> transfers_;
 };
 

@@ -88,6 +88,10 @@ std::optional<std::string> malformed(const FrameHeader& h) {
     case FrameType::done:
     case FrameType::claimed:
     case FrameType::claim:
+    case FrameType::attach:
+    case FrameType::attached:
+    case FrameType::ended:
+    case FrameType::detach:
       break;
     default:
       return "unknown frame type " + std::to_string(static_cast<int>(h.type));

@@ -27,6 +27,13 @@ enum class FrameType : std::uint8_t {
   claimed = 7,  ///< server: operation `op_id` is now this connection's; `token` is the claim's
                 ///< secret; the payload is the method's (verbs: keys, cuda_ipc: IPC handles)
   claim = 8,    ///< cma, cuda_ipc, verbs client: claims `op_id` for the ranges in its payload
+  // Regions (docs/regions.md).
+  attach = 9,     ///< client: attaches to region `op_id` with its `token`; flags: the access
+  attached = 10,  ///< server: answers ATTACH `req_id`: attachment `op_id`, its secret `token`;
+                  ///< the payload is the method's (as CLAIMED's)
+  ended = 11,     ///< client: a transfer on attachment `op_id` (`token`: its secret) ended with
+                  ///< `status`; flags: read or write; msg: the tag; payload: its ranges
+  detach = 12,    ///< client: attachment `op_id` (`token`: its secret) ends
 };
 
 inline constexpr std::uint32_t kMagic = 0x59525246;  // "FRRY" on the wire
@@ -67,7 +74,7 @@ std::string_view status_text(const Error* error) noexcept;
 /// whatever carries the frames.
 constexpr bool has_payload(FrameType type) noexcept {
   return type == FrameType::data || type == FrameType::write || type == FrameType::claim ||
-         type == FrameType::claimed;
+         type == FrameType::claimed || type == FrameType::attached || type == FrameType::ended;
 }
 
 }  // namespace ferry::transport::wire

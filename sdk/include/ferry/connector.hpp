@@ -14,6 +14,7 @@
 #include <ferry/operation.hpp>
 #include <ferry/options.hpp>
 #include <ferry/rdma_metadata.hpp>
+#include <ferry/region.hpp>
 #include <ferry/stats.hpp>
 
 namespace ferry {
@@ -149,6 +150,25 @@ class Connector {
     return begin_write({bytes_descriptor(std::span<const std::byte>(local))}, subject,
                        std::move(options));
   }
+
+  /// Exposes `local` as a region (docs/regions.md): registered and served once, for any number
+  /// of peers that attach and transfer until close(). Throws InvalidArgument for an empty list,
+  /// a read-only descriptor in a writable region, a size that is not a whole number of blocks
+  /// or a bad subject; Unsupported when no method here serves regions of this memory;
+  /// InvalidState for a subject without a side channel. Any thread (waits for the loop, and
+  /// off it, for the subject's subscription).
+  [[nodiscard("dropping the handle closes the region")]] Region create_region(
+      std::vector<Descriptor> local, RegionOptions options = {});
+  /// Attaches to the region `remote` describes. Returns at once (attaching); transfers may
+  /// start right away and wait for it. Throws InvalidMetadata, KindMismatch (options.access
+  /// beyond the region's), NoCommonMethod (no method both sides share serves regions),
+  /// AccessDenied (endpoints outside endpoint_allow); what only attaching finds out is the
+  /// attachment's error(). Any thread.
+  [[nodiscard("dropping the handle detaches")]] Attachment attach(const RegionMetadata& remote,
+                                                                  AttachOptions options = {});
+  /// Attaches to the region served at `subject`: one request/reply, once.
+  [[nodiscard("dropping the handle detaches")]] Attachment attach(const Subject& subject,
+                                                                  AttachOptions options = {});
 
   /// Whether this connector has a NATS side channel (and so can pair by subject). Any thread.
   bool has_side_channel() const noexcept;

@@ -10,4 +10,5 @@
 #include <ferry/operation_status.hpp>
 #include <ferry/options.hpp>
 #include <ferry/rdma_metadata.hpp>
+#include <ferry/region.hpp>
 #include <ferry/stats.hpp>

@@ -98,6 +98,7 @@ class Operation {
   std::shared_ptr<detail::OperationState> state_;
 
   friend class Connector;
+  friend class Attachment;
 };
 
 /// Exposes local memory for one peer to read (the peer calls begin_read with its metadata).
@@ -135,6 +136,7 @@ class ReadOperation : public Operation {
  private:
   using Operation::Operation;
   friend class Connector;
+  friend class Attachment;
 };
 
 /// Writes local memory into a peer's writable operation. Complete once the peer has
@@ -146,6 +148,7 @@ class WriteOperation : public Operation {
  private:
   using Operation::Operation;
   friend class Connector;
+  friend class Attachment;
 };
 
 }  // namespace ferry

@@ -171,6 +171,10 @@ TEST(Frame, TypeValuesMatchTheProtocol) {
   EXPECT_EQ(static_cast<int>(FrameType::done), 6);
   EXPECT_EQ(static_cast<int>(FrameType::claimed), 7);
   EXPECT_EQ(static_cast<int>(FrameType::claim), 8);
+  EXPECT_EQ(static_cast<int>(FrameType::attach), 9);
+  EXPECT_EQ(static_cast<int>(FrameType::attached), 10);
+  EXPECT_EQ(static_cast<int>(FrameType::ended), 11);
+  EXPECT_EQ(static_cast<int>(FrameType::detach), 12);
 }
 
 TEST(Frame, DataWriteClaimAndClaimedCarryPayload) {
@@ -183,10 +187,14 @@ TEST(Frame, DataWriteClaimAndClaimedCarryPayload) {
   EXPECT_FALSE(has_payload(FrameType::done));
   EXPECT_TRUE(has_payload(FrameType::claimed));
   EXPECT_TRUE(has_payload(FrameType::claim));
+  EXPECT_FALSE(has_payload(FrameType::attach));
+  EXPECT_TRUE(has_payload(FrameType::attached));
+  EXPECT_TRUE(has_payload(FrameType::ended));
+  EXPECT_FALSE(has_payload(FrameType::detach));
 }
 
 TEST(Malformed, AcceptsEveryKnownTypeWithAnyFields) {
-  for (int type = 1; type <= 8; ++type) {
+  for (int type = 1; type <= 12; ++type) {
     FrameHeader h = full_header();
     h.type = static_cast<FrameType>(type);
     h.msg_len = 0;
@@ -221,7 +229,7 @@ TEST(Malformed, CatchesUnknownVersion) {
 }
 
 TEST(Malformed, CatchesUnknownType) {
-  for (int type : {0, 9, 10, 11, 0x7f, 0xff}) {
+  for (int type : {0, 13, 14, 15, 0x7f, 0xff}) {
     FrameHeader h;
     h.type = static_cast<FrameType>(type);
     const std::string what = malformed(h).value_or("");
