@@ -10,6 +10,17 @@
 //                          (cma between two connectors of one process: the same system calls
 //                          as between two processes)
 //
+//   RegionRead / RegionWrite
+//                          a transfer on a region's attachment each iteration: the region
+//                          created and attached once, outside the loop (docs/regions.md)
+//   *Pipelined             64 transfers of 4 KiB in flight, the oldest waited for and replaced:
+//                          RawTcpPipelined (64 requests outstanding on one blocking TCP pair),
+//                          FerryReadPipelined (one-shot operations), RegionReadPipelined
+//   KvOneDescriptor / KvBlocks
+//                          a KV cache of 1024 x 16 KiB blocks read from a region: one 16 MiB
+//                          range into one descriptor, or by block ids (the remote blocks in a
+//                          scattered order) into 1024 separate local pages
+//
 //   build/bench/ferry_transfer_bench --benchmark_counters_tabular=true
 //   build/bench/ferry_transfer_bench --benchmark_filter='Ferry|Memcpy'   (see README.md)
 #include <benchmark/benchmark.h>
@@ -171,12 +182,217 @@ void FerryWrite(benchmark::State& state, const std::string& method) {
   set_bytes(state);
 }
 
+// Region: both connectors restricted to `method`, the region (read_write) and the attachment
+// made once.
+struct RegionPair {
+  ferry::Connector owner;
+  ferry::Connector peer;
+  ferry::Region region;
+  ferry::Attachment attachment;
+  RegionPair(const ferry::ConnectorOptions& options, std::vector<std::byte>& pool,
+             std::uint64_t block_size = 0)
+      : owner(options), peer(options) {
+    ferry::RegionOptions ro;
+    ro.access = ferry::RegionAccess::read_write;
+    ro.block_size = block_size;
+    ro.queue_events = false;  // nobody reads them here
+    region = owner.create_region({ferry::Descriptor(pool.data(), pool.size())}, ro);
+    attachment = peer.attach(region.metadata());
+    attachment.wait_attached();
+  }
+};
+
+void RegionTransfer(benchmark::State& state, const std::string& method, bool read) {
+  const auto size = static_cast<std::size_t>(state.range(0));
+  std::string why;
+  auto options = only(method, why);
+  if (!options) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  std::vector<std::byte> pool(size, std::byte{1});
+  std::vector<std::byte> local(size);
+  std::optional<RegionPair> pair;
+  try {
+    pair.emplace(*options, pool);
+  } catch (const ferry::Error& e) {
+    state.SkipWithError(e.what());
+    return;
+  }
+  if (pair->attachment.method() != method) {
+    state.SkipWithError(("attached by " + pair->attachment.method()).c_str());
+    return;
+  }
+  for (auto _ : state) {
+    if (read)
+      pair->attachment.read({{0, size}}, {ferry::Descriptor(local.data(), size)})
+          .wait_for_completion();
+    else
+      pair->attachment.write({ferry::Descriptor(local.data(), size)}, {{0, size}})
+          .wait_for_completion();
+  }
+  set_bytes(state);
+}
+
+void RegionRead(benchmark::State& state, const std::string& method) {
+  RegionTransfer(state, method, true);
+}
+void RegionWrite(benchmark::State& state, const std::string& method) {
+  RegionTransfer(state, method, false);
+}
+
+constexpr std::size_t kInFlight = 64;
+
+// Keeps kInFlight operations going: each iteration waits for the oldest and starts one more.
+template <class Start>
+void pipelined(benchmark::State& state, Start&& start) {
+  std::vector<ferry::Operation> ring(kInFlight);
+  for (std::size_t i = 0; i < kInFlight; ++i) ring[i] = start(i);
+  std::size_t next = 0;
+  for (auto _ : state) {
+    ring[next].wait_for_completion();
+    ring[next] = start(next);
+    next = (next + 1) % kInFlight;
+  }
+  for (auto& op : ring) op.wait_for_completion();
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));
+  set_bytes(state);
+}
+
+void RegionReadPipelined(benchmark::State& state, const std::string& method) {
+  const auto size = static_cast<std::size_t>(state.range(0));
+  std::string why;
+  auto options = only(method, why);
+  if (!options) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  std::vector<std::byte> pool(size * kInFlight, std::byte{1});
+  std::vector<std::byte> local(size * kInFlight);
+  RegionPair pair(*options, pool, size);
+  pipelined(state, [&](std::size_t slot) -> ferry::Operation {
+    return pair.attachment.read_blocks({slot},
+                                       {ferry::Descriptor(local.data() + slot * size, size)});
+  });
+}
+
+void FerryReadPipelined(benchmark::State& state, const std::string& method) {
+  const auto size = static_cast<std::size_t>(state.range(0));
+  std::string why;
+  auto options = only(method, why);
+  if (!options) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  ferry::Connector owner(*options);
+  ferry::Connector peer(*options);
+  std::vector<std::byte> src(size * kInFlight, std::byte{1});
+  std::vector<std::byte> dst(size * kInFlight);
+  // The passive side of each slot, replaced once its read has ended.
+  std::vector<ferry::ReadableOperation> readables(kInFlight);
+  pipelined(state, [&](std::size_t slot) -> ferry::Operation {
+    readables[slot] = owner.create_readable({ferry::Descriptor(src.data() + slot * size, size)});
+    return peer.begin_read(readables[slot].metadata(),
+                           {ferry::Descriptor(dst.data() + slot * size, size)});
+  });
+}
+
+// 64 requests outstanding on one TCP pair: the server answers each 64-byte request with SIZE
+// bytes; the client keeps 64 unanswered.
+void RawTcpPipelined(benchmark::State& state) {
+  const auto size = static_cast<std::size_t>(state.range(0));
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::listen(listener, 1);
+  socklen_t len = sizeof addr;
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::vector<char> src(size, 'x');
+  std::thread server([&] {
+    int fd = ::accept(listener, nullptr, nullptr);
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    char request[64];
+    while (recv_all(fd, request, sizeof request)) send_all(fd, src.data(), size);
+    ::close(fd);
+  });
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+    throw std::runtime_error("connect");
+  std::vector<char> dst(size);
+  char request[64] = {};
+  for (std::size_t i = 0; i < kInFlight; ++i) send_all(fd, request, sizeof request);
+  for (auto _ : state) {
+    recv_all(fd, dst.data(), size);
+    send_all(fd, request, sizeof request);
+  }
+  for (std::size_t i = 0; i < kInFlight; ++i) recv_all(fd, dst.data(), size);
+  ::shutdown(fd, SHUT_WR);
+  ::close(fd);
+  server.join();
+  ::close(listener);
+  state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));
+  set_bytes(state);
+}
+
+constexpr std::size_t kKvBlock = 16 << 10;
+constexpr std::size_t kKvBlocks = 1024;
+
+// A KV cache of 1024 blocks: read all of it, as one range into one descriptor or by block ids.
+void Kv(benchmark::State& state, const std::string& method, bool by_blocks) {
+  std::string why;
+  auto options = only(method, why);
+  if (!options) {
+    state.SkipWithError(why.c_str());
+    return;
+  }
+  std::vector<std::byte> pool(kKvBlock * kKvBlocks, std::byte{1});
+  RegionPair pair(*options, pool, kKvBlock);
+  // By blocks: the remote blocks in a scattered order (i * 7 mod 1024), into separate pages
+  // (every other page of a buffer twice the size).
+  std::vector<std::uint64_t> blocks;
+  for (std::uint64_t i = 0; i < kKvBlocks; ++i) blocks.push_back((i * 7) % kKvBlocks);
+  std::vector<std::byte> local(kKvBlock * kKvBlocks * (by_blocks ? 2 : 1));
+  std::vector<ferry::Descriptor> pages;
+  for (std::size_t i = 0; i < kKvBlocks; ++i)
+    pages.emplace_back(local.data() + 2 * i * kKvBlock, kKvBlock);
+  for (auto _ : state) {
+    if (by_blocks)
+      pair.attachment.read_blocks(blocks, pages).wait_for_completion();
+    else
+      pair.attachment.read({{0, pool.size()}}, {ferry::Descriptor(local.data(), pool.size())})
+          .wait_for_completion();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * pool.size()));
+}
+
+void KvOneDescriptor(benchmark::State& state, const std::string& method) {
+  Kv(state, method, false);
+}
+void KvBlocks(benchmark::State& state, const std::string& method) { Kv(state, method, true); }
+
 BENCHMARK(RawTcpRequestResponse)->Apply(add_sizes);
 BENCHMARK(Memcpy)->Apply(add_sizes);
 BENCHMARK_CAPTURE(FerryRead, tcp, std::string("tcp"))->Apply(add_sizes);
 BENCHMARK_CAPTURE(FerryRead, cma, std::string("cma"))->Apply(add_sizes);
 BENCHMARK_CAPTURE(FerryWrite, tcp, std::string("tcp"))->Apply(add_sizes);
 BENCHMARK_CAPTURE(FerryWrite, cma, std::string("cma"))->Apply(add_sizes);
+BENCHMARK_CAPTURE(RegionRead, tcp, std::string("tcp"))->Apply(add_sizes);
+BENCHMARK_CAPTURE(RegionRead, cma, std::string("cma"))->Apply(add_sizes);
+BENCHMARK_CAPTURE(RegionWrite, tcp, std::string("tcp"))->Apply(add_sizes);
+BENCHMARK_CAPTURE(RegionWrite, cma, std::string("cma"))->Apply(add_sizes);
+BENCHMARK(RawTcpPipelined)->Arg(4096)->UseRealTime();
+BENCHMARK_CAPTURE(FerryReadPipelined, tcp, std::string("tcp"))->Arg(4096)->UseRealTime();
+BENCHMARK_CAPTURE(RegionReadPipelined, tcp, std::string("tcp"))->Arg(4096)->UseRealTime();
+BENCHMARK_CAPTURE(RegionReadPipelined, cma, std::string("cma"))->Arg(4096)->UseRealTime();
+BENCHMARK_CAPTURE(KvOneDescriptor, tcp, std::string("tcp"))->UseRealTime();
+BENCHMARK_CAPTURE(KvBlocks, tcp, std::string("tcp"))->UseRealTime();
+BENCHMARK_CAPTURE(KvOneDescriptor, cma, std::string("cma"))->UseRealTime();
+BENCHMARK_CAPTURE(KvBlocks, cma, std::string("cma"))->UseRealTime();
 
 }  // namespace
 

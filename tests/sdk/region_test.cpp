@@ -27,13 +27,29 @@ constexpr auto kWait = std::chrono::seconds(60);
 constexpr std::size_t kBlock = 4096;
 constexpr std::size_t kBlocks = 64;
 
-// A transfer slowed to one small request at a time, so that a test can act mid-transfer.
-ConnectorOptions slow(std::string name) {
-  ConnectorOptions o = test::named(std::move(name));
-  o.tcp.chunk_size = 4096;
-  o.tcp.window = 4096;
-  return o;
-}
+// Every test runs once per method that serves regions, both connectors restricted to it.
+class RegionTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    for (const MethodInfo& m : probe_methods(options("probe")))
+      if (m.method == GetParam() && !m.available) GTEST_SKIP() << m.method << ": " << m.detail;
+  }
+  ConnectorOptions options(std::string name) const {
+    ConnectorOptions o = test::named(std::move(name));
+    o.transports = {GetParam()};
+    return o;
+  }
+  // A transfer slowed to one small request (copy) at a time, so that a test can act
+  // mid-transfer.
+  ConnectorOptions slow(std::string name) const {
+    ConnectorOptions o = options(std::move(name));
+    o.tcp.chunk_size = 4096;
+    o.tcp.window = 4096;
+    o.cma.chunk_size = 4096;
+    o.cma.parallel = 1;
+    return o;
+  }
+};
 
 // Waits for the region's next event of `type` (others before it are skipped and returned).
 RegionEvent next_of(Region& region, RegionEvent::Type type,
@@ -58,20 +74,28 @@ bool eventually(const std::function<bool()>& cond) {
   return cond();
 }
 
-class RegionTest : public ::testing::Test {
+// With an owner and a peer.
+class RegionPair : public RegionTest {
  protected:
-  Connector owner_{test::named("owner")};
-  Connector peer_{test::named("peer")};
+  void SetUp() override {
+    RegionTest::SetUp();
+    if (IsSkipped()) return;
+    owner_store_ = std::make_unique<Connector>(options("owner"));
+    peer_store_ = std::make_unique<Connector>(options("peer"));
+  }
+  std::unique_ptr<Connector> owner_store_, peer_store_;
+  Connector& owner() { return *owner_store_; }
+  Connector& peer() { return *peer_store_; }
 };
 
-TEST_F(RegionTest, WriteBlocksAndTheOwnerHearsTagAndBlocks) {
+TEST_P(RegionPair, WriteBlocksAndTheOwnerHearsTagAndBlocks) {
   auto pool = buffer(kBlock * kBlocks);
   RegionOptions o;
   o.access = RegionAccess::write;
   o.block_size = kBlock;
-  auto region = owner_.create_region({Descriptor(pool.data(), pool.size())}, o);
+  auto region = owner().create_region({Descriptor(pool.data(), pool.size())}, o);
   EXPECT_EQ(region.metadata().block_count(), kBlocks);
-  auto att = peer_.attach(region.metadata());
+  auto att = peer().attach(region.metadata());
   auto src = patterned(3 * kBlock, 7);
   TransferOptions t;
   t.tag = "request-17";
@@ -79,7 +103,7 @@ TEST_F(RegionTest, WriteBlocksAndTheOwnerHearsTagAndBlocks) {
   auto w = att.write_blocks({Descriptor(src.data(), src.size())}, {5, 6, 9}, t);
   w.wait_for_completion();
   EXPECT_EQ(att.state(), Attachment::State::attached);
-  EXPECT_EQ(att.method(), "tcp");
+  EXPECT_EQ(att.method(), GetParam());
   EXPECT_EQ(first_mismatch(pool.data() + 5 * kBlock, 2 * kBlock, 7), -1);
   EXPECT_EQ(first_mismatch(pool.data() + 9 * kBlock, kBlock, 7, 2 * kBlock), -1);
   // Untouched blocks stay zero.
@@ -90,7 +114,7 @@ TEST_F(RegionTest, WriteBlocksAndTheOwnerHearsTagAndBlocks) {
   RegionEvent e = next_of(region, RegionEvent::Type::transfer, &before);
   ASSERT_EQ(before.size(), 1u);
   EXPECT_EQ(before[0].type, RegionEvent::Type::attached);
-  EXPECT_EQ(before[0].peer_id, peer_.identity().id);
+  EXPECT_EQ(before[0].peer_id, peer().identity().id);
   EXPECT_EQ(e.attachment, before[0].attachment);
   EXPECT_EQ(e.kind, OperationKind::write);
   EXPECT_EQ(e.tag, "request-17");
@@ -100,19 +124,19 @@ TEST_F(RegionTest, WriteBlocksAndTheOwnerHearsTagAndBlocks) {
   EXPECT_EQ(e.ranges[0], (RegionRange{5 * kBlock, 2 * kBlock}));
   EXPECT_EQ(e.ranges[1], (RegionRange{9 * kBlock, kBlock}));
   ASSERT_EQ(region.peers().size(), 1u);
-  EXPECT_EQ(region.peers()[0].peer_id, peer_.identity().id);
+  EXPECT_EQ(region.peers()[0].peer_id, peer().identity().id);
 }
 
-TEST_F(RegionTest, ReadRangesAcrossDescriptorsManyTimesOnOneAttachment) {
+TEST_P(RegionPair, ReadRangesAcrossDescriptorsManyTimesOnOneAttachment) {
   // Three descriptors form one byte stream of 3 x 10000 bytes.
   auto stream = patterned(30000, 3);
   auto a = buffer(10000), b = buffer(10000), c = buffer(10000);
   std::memcpy(a.data(), stream.data(), 10000);
   std::memcpy(b.data(), stream.data() + 10000, 10000);
   std::memcpy(c.data(), stream.data() + 20000, 10000);
-  auto region = owner_.create_region(
+  auto region = owner().create_region(
       {Descriptor(a.data(), 10000), Descriptor(b.data(), 10000), Descriptor(c.data(), 10000)});
-  auto att = peer_.attach(region.metadata());
+  auto att = peer().attach(region.metadata());
   for (int round = 0; round < 20; ++round) {
     // 1500 bytes across the first seam, then 12000 across the second (in two local pieces).
     auto x = buffer(1500), y = buffer(7000), z = buffer(5000);
@@ -135,7 +159,7 @@ TEST_F(RegionTest, ReadRangesAcrossDescriptorsManyTimesOnOneAttachment) {
   EXPECT_EQ(transfers, 20);
 }
 
-TEST_F(RegionTest, ManyPeersReadAndWriteDifferentBlocksAtOnce) {
+TEST_P(RegionPair, ManyPeersReadAndWriteDifferentBlocksAtOnce) {
   constexpr int kPeers = 4;
   constexpr int kPerPeer = 8;
   auto pool = buffer(kBlock * kBlocks);
@@ -144,12 +168,12 @@ TEST_F(RegionTest, ManyPeersReadAndWriteDifferentBlocksAtOnce) {
   RegionOptions o;
   o.access = RegionAccess::read_write;
   o.block_size = kBlock;
-  auto region = owner_.create_region({Descriptor(pool.data(), pool.size())}, o);
+  auto region = owner().create_region({Descriptor(pool.data(), pool.size())}, o);
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
   for (int p = 0; p < kPeers; ++p) {
     threads.emplace_back([&, p] {
-      Connector peer(test::named("peer" + std::to_string(p)));
+      Connector peer(options("peer" + std::to_string(p)));
       auto att = peer.attach(region.metadata());
       std::vector<std::vector<std::byte>> srcs, dsts;
       std::vector<Operation> ops;
@@ -175,19 +199,19 @@ TEST_F(RegionTest, ManyPeersReadAndWriteDifferentBlocksAtOnce) {
     EXPECT_EQ(first_mismatch(pool.data() + b * kBlock, kBlock, 1000 + b), -1) << "block " << b;
 }
 
-TEST_F(RegionTest, RevokingOnePeerLeavesTheOthersWorking) {
+TEST_P(RegionPair, RevokingOnePeerLeavesTheOthersWorking) {
   auto pool = buffer(kBlock * kBlocks);
   RegionOptions o;
   o.access = RegionAccess::write;
   o.block_size = kBlock;
-  auto region = owner_.create_region({Descriptor(pool.data(), pool.size())}, o);
-  Connector other(test::named("other"));
-  auto a = peer_.attach(region.metadata());
+  auto region = owner().create_region({Descriptor(pool.data(), pool.size())}, o);
+  Connector other(options("other"));
+  auto a = peer().attach(region.metadata());
   auto b = other.attach(region.metadata());
   auto src = patterned(kBlock, 5);
   a.write_blocks({Descriptor(src.data(), kBlock)}, {1}).wait_for_completion();
   b.write_blocks({Descriptor(src.data(), kBlock)}, {2}).wait_for_completion();
-  EXPECT_EQ(region.revoke(peer_.identity().id), 1u);
+  EXPECT_EQ(region.revoke(peer().identity().id), 1u);
   // The revoked peer learns it, and its next transfer is refused; the memory is untouched.
   std::memset(pool.data() + 3 * kBlock, 0, kBlock);
   ASSERT_TRUE(eventually([&] { return a.state() == Attachment::State::detached; }));
@@ -202,13 +226,13 @@ TEST_F(RegionTest, RevokingOnePeerLeavesTheOthersWorking) {
   EXPECT_EQ(first_mismatch(pool.data() + 4 * kBlock, kBlock, 5), -1);
   // A fresh attach of the revoked peer with the same metadata works: revocation ends an
   // attachment, not the region (close() does that).
-  auto again = peer_.attach(region.metadata());
+  auto again = peer().attach(region.metadata());
   again.write_blocks({Descriptor(src.data(), kBlock)}, {6}).wait_for_completion();
 }
 
-TEST(RegionClose, NothingLandsAfterCloseReturns) {
+TEST_P(RegionTest, CloseNothingLandsAfterCloseReturns) {
   constexpr std::size_t kBig = 64u << 20;
-  Connector owner(test::named("owner"));
+  Connector owner(options("owner"));
   Connector writer(slow("writer"));
   auto pool = buffer(kBig);
   RegionOptions o;
@@ -234,27 +258,27 @@ TEST(RegionClose, NothingLandsAfterCloseReturns) {
   EXPECT_EQ(e.error->code(), ErrorCode::Cancelled);
 }
 
-TEST_F(RegionTest, TheDeadlineEndsTheRegionWithTimeout) {
+TEST_P(RegionPair, TheDeadlineEndsTheRegionWithTimeout) {
   auto pool = buffer(kBlock);
   RegionOptions o;
   o.timeout = std::chrono::milliseconds(100);
-  auto region = owner_.create_region({Descriptor(pool.data(), kBlock)}, o);
+  auto region = owner().create_region({Descriptor(pool.data(), kBlock)}, o);
   RegionEvent e = next_of(region, RegionEvent::Type::ended);
   ASSERT_TRUE(e.error);
   EXPECT_EQ(e.error->code(), ErrorCode::Timeout);
   EXPECT_FALSE(region.is_open());
-  auto att = peer_.attach(region.metadata());
+  auto att = peer().attach(region.metadata());
   EXPECT_THROW(att.wait_attached(), Error);
   EXPECT_EQ(att.error()->code(), ErrorCode::AccessDenied);
 }
 
-TEST_F(RegionTest, BadRangesAndBlocksAreRefusedBeforeAnyByteMoves) {
+TEST_P(RegionPair, BadRangesAndBlocksAreRefusedBeforeAnyByteMoves) {
   auto pool = buffer(kBlock * 4);
   RegionOptions o;
   o.access = RegionAccess::read_write;
   o.block_size = kBlock;
-  auto region = owner_.create_region({Descriptor(pool.data(), pool.size())}, o);
-  auto att = peer_.attach(region.metadata());
+  auto region = owner().create_region({Descriptor(pool.data(), pool.size())}, o);
+  auto att = peer().attach(region.metadata());
   auto src = patterned(kBlock, 1);
   test::expect_error([&] { (void)att.write_blocks({Descriptor(src.data(), kBlock)}, {4}); },
                      ErrorCode::InvalidArgument, "past the region's 4 blocks");
@@ -281,14 +305,14 @@ TEST_F(RegionTest, BadRangesAndBlocksAreRefusedBeforeAnyByteMoves) {
   EXPECT_EQ(test::first_not(pool.data(), pool.size(), std::byte{0}), -1);
 }
 
-TEST_F(RegionTest, AReadableRegionCannotBeWritten) {
+TEST_P(RegionPair, AReadableRegionCannotBeWritten) {
   auto pool = buffer(kBlock);
-  auto region = owner_.create_region({Descriptor(pool.data(), kBlock)});
+  auto region = owner().create_region({Descriptor(pool.data(), kBlock)});
   AttachOptions writing;
   writing.access = RegionAccess::write;
-  test::expect_error([&] { (void)peer_.attach(region.metadata(), writing); },
+  test::expect_error([&] { (void)peer().attach(region.metadata(), writing); },
                      ErrorCode::KindMismatch, "allows read");
-  auto att = peer_.attach(region.metadata());
+  auto att = peer().attach(region.metadata());
   auto src = patterned(kBlock, 1);
   auto w = att.write({Descriptor(src.data(), kBlock)}, {{0, kBlock}});
   EXPECT_EQ(test::ended_with(w), ErrorCode::KindMismatch);
@@ -298,21 +322,23 @@ TEST_F(RegionTest, AReadableRegionCannotBeWritten) {
   RegionOptions w_opts;
   w_opts.access = RegionAccess::write;
   test::expect_error(
-      [&] { (void)owner_.create_region({Descriptor::read_only(constant.data(), kBlock)}, w_opts); },
+      [&] {
+        (void)owner().create_region({Descriptor::read_only(constant.data(), kBlock)}, w_opts);
+      },
       ErrorCode::InvalidArgument, "read-only");
   RegionOptions odd;
   odd.block_size = 3000;
-  test::expect_error([&] { (void)owner_.create_region({Descriptor(pool.data(), kBlock)}, odd); },
+  test::expect_error([&] { (void)owner().create_region({Descriptor(pool.data(), kBlock)}, odd); },
                      ErrorCode::InvalidArgument, "whole number of blocks");
 }
 
-TEST_F(RegionTest, ABatchStartsEveryTransferAndEachEndsOnItsOwn) {
+TEST_P(RegionPair, ABatchStartsEveryTransferAndEachEndsOnItsOwn) {
   auto pool = buffer(kBlock * kBlocks);
   RegionOptions o;
   o.access = RegionAccess::read_write;
   o.block_size = kBlock;
-  auto region = owner_.create_region({Descriptor(pool.data(), pool.size())}, o);
-  auto att = peer_.attach(region.metadata());
+  auto region = owner().create_region({Descriptor(pool.data(), pool.size())}, o);
+  auto att = peer().attach(region.metadata());
   std::vector<std::vector<std::byte>> srcs;
   std::vector<Attachment::Transfer> batch;
   for (std::uint64_t i = 0; i < 32; ++i) {
@@ -349,18 +375,18 @@ TEST_F(RegionTest, ABatchStartsEveryTransferAndEachEndsOnItsOwn) {
   EXPECT_EQ(test::first_not(pool.data(), kBlock, std::byte{0}), -1);
 }
 
-TEST_F(RegionTest, TheOwnerHearsAPeerThatDetachesOrDies) {
+TEST_P(RegionPair, TheOwnerHearsAPeerThatDetachesOrDies) {
   auto pool = buffer(kBlock);
-  Region region = owner_.create_region({Descriptor(pool.data(), kBlock)});
+  Region region = owner().create_region({Descriptor(pool.data(), kBlock)});
   {
-    auto att = peer_.attach(region.metadata());
+    auto att = peer().attach(region.metadata());
     att.wait_attached();
     att.detach();
   }
   RegionEvent gone = next_of(region, RegionEvent::Type::detached);
   EXPECT_FALSE(gone.error) << gone.error->message();
   {
-    Connector doomed(test::named("doomed"));
+    Connector doomed(options("doomed"));
     auto att = doomed.attach(region.metadata());
     att.wait_attached();
     // The connector goes away with the attachment still live.
@@ -370,9 +396,9 @@ TEST_F(RegionTest, TheOwnerHearsAPeerThatDetachesOrDies) {
   EXPECT_TRUE(region.peers().empty());
 }
 
-TEST(RegionOwnerDeath, APeerMidTransferHearsTheOwnerIsGone) {
+TEST_P(RegionTest, OwnerDeathAPeerMidTransferHearsTheOwnerIsGone) {
   constexpr std::size_t kBig = 32u << 20;
-  auto owner = std::make_unique<Connector>(test::named("owner"));
+  auto owner = std::make_unique<Connector>(options("owner"));
   Connector reader(slow("reader"));
   auto pool = patterned(kBig, 4);
   auto region = owner->create_region({Descriptor(pool.data(), kBig)});
@@ -387,8 +413,8 @@ TEST(RegionOwnerDeath, APeerMidTransferHearsTheOwnerIsGone) {
   EXPECT_TRUE(att.error());
 }
 
-TEST(RegionMetadataJson, RoundTripsAndIsStrict) {
-  Connector owner(test::named("owner"));
+TEST_P(RegionTest, JsonRoundTripsAndIsStrict) {
+  Connector owner(options("owner"));
   auto pool = buffer(kBlock * 2);
   RegionOptions o;
   o.access = RegionAccess::read_write;
@@ -427,11 +453,11 @@ TEST(RegionMetadataJson, RoundTripsAndIsStrict) {
   EXPECT_THROW((void)RdmaMetadata::from_json(json), Error);
 }
 
-TEST(RegionBySubject, AttachOnceByAskingThenTransferWithoutNats) {
+TEST_P(RegionTest, BySubjectAttachOnceByAskingThenTransferWithoutNats) {
   test::NatsServer server;
-  ConnectorOptions a = test::named("owner");
+  ConnectorOptions a = options("owner");
   a.nats.servers = {server.url()};
-  ConnectorOptions b = test::named("peer");
+  ConnectorOptions b = options("peer");
   b.nats.servers = {server.url()};
   Connector owner(a);
   Connector peer(b);
@@ -461,7 +487,7 @@ TEST(RegionBySubject, AttachOnceByAskingThenTransferWithoutNats) {
       << nobody.error()->message();
 }
 
-TEST_F(RegionTest, AnEventCallbackRunsOnTheLoopInOrder) {
+TEST_P(RegionPair, AnEventCallbackRunsOnTheLoopInOrder) {
   auto pool = buffer(kBlock * 4);
   std::mutex mu;
   std::vector<RegionEvent::Type> seen;
@@ -472,9 +498,9 @@ TEST_F(RegionTest, AnEventCallbackRunsOnTheLoopInOrder) {
     std::lock_guard lock(mu);
     seen.push_back(e.type);
   };
-  auto region = owner_.create_region({Descriptor(pool.data(), pool.size())}, o);
+  auto region = owner().create_region({Descriptor(pool.data(), pool.size())}, o);
   {
-    auto att = peer_.attach(region.metadata());
+    auto att = peer().attach(region.metadata());
     auto src = patterned(kBlock, 1);
     att.write({Descriptor(src.data(), kBlock)}, {{0, kBlock}}).wait_for_completion();
   }
@@ -491,6 +517,11 @@ TEST_F(RegionTest, AnEventCallbackRunsOnTheLoopInOrder) {
   EXPECT_EQ(seen[3], RegionEvent::Type::ended);
   EXPECT_FALSE(region.next_event());  // queue_events off
 }
+
+std::string method_name(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
+
+INSTANTIATE_TEST_SUITE_P(Methods, RegionTest, ::testing::Values("tcp", "cma"), method_name);
+INSTANTIATE_TEST_SUITE_P(Methods, RegionPair, ::testing::Values("tcp", "cma"), method_name);
 
 }  // namespace
 }  // namespace ferry

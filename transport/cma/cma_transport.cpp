@@ -96,7 +96,7 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
   auto* t = &handle->get();
   t->staged = staged;
   try {
-    t->link = &link_to(t->spec);
+    t->link = &link_to(t->spec.endpoint, t->spec.peer_name);
   } catch (const Error& e) {
     transfers_.finish(*t, e, /*setup=*/true);
     return handle;
@@ -107,16 +107,16 @@ std::unique_ptr<Transfer> CmaTransport::start(TransferSpec spec, TransferObserve
   return handle;
 }
 
-same_host::Link& CmaTransport::link_to(const TransferSpec& spec) {
-  if (same_host::Link* link = links_.find(spec.endpoint.address)) {
+same_host::Link& CmaTransport::link_to(const Endpoint& endpoint, const std::string& peer_name) {
+  if (same_host::Link* link = links_.find(endpoint.address)) {
     if (link->refused) throw Error(ErrorCode::Unsupported, "cma: " + link->refused->message());
     return *link;
   }
-  return *links_.add(spec.endpoint.address,
+  return *links_.add(endpoint.address,
                      std::make_unique<same_host::Link>(
                          ctx_, static_cast<same_host::Link::Client&>(*this), "cma", next_link_++,
-                         spec.endpoint.address, same_host::parse_info(spec.endpoint.info),
-                         spec.peer_name, /*max_payload=*/0));
+                         endpoint.address, same_host::parse_info(endpoint.info), peer_name,
+                         /*max_payload=*/0));
 }
 
 same_host::Claimant* CmaTransport::claimant(std::uint64_t id) {
@@ -142,6 +142,8 @@ void CmaTransport::link_closed(same_host::Link& link) {
   // Every transfer on it (also those of a link replaced in the pool meanwhile) ended first.
   for (CmaTransfer* t : transfers_.all())
     if (t->link == &link) t->link = nullptr;
+  for (auto& [key, region] : regions_)
+    if (region->link == &link) region->link = nullptr;
   links_.remove(&link);
 }
 
@@ -154,7 +156,15 @@ void CmaTransport::stop(CmaTransfer& t) {
 void CmaTransport::tell_peer(CmaTransfer& t, const Error& reason) {
   // Also while the claim is unanswered: the owner reads DONE after the CLAIM (or alone, if the
   // CLAIM never left), and ends the operation instead of waiting for this peer.
-  if (t.link != nullptr) t.link->send_done(t.id(), t, &reason);
+  tell_end(t, &reason);
+}
+
+void CmaTransport::tell_end(CmaTransfer& t, const Error* error) {
+  if (t.link == nullptr) return;
+  if (t.spec.region_tag)
+    t.link->send_ended(t.id(), t, error);
+  else
+    t.link->send_done(t.id(), t, error);
 }
 
 void CmaTransport::settle(CmaTransfer& t) {
@@ -169,15 +179,106 @@ CmaTransfer* CmaTransport::transfer(std::uint64_t id) { return transfers_.find(i
 
 void CmaTransport::copied(CmaTransfer& t) {
   // Every byte is in place. A read is complete, and the owner learns it may let go; a write
-  // completes when the owner has acknowledged DONE: both sides then agree.
-  t.link->send_done(t.id(), t, nullptr);
-  if (t.spec.access == Access::read) transfers_.finish(t, std::nullopt);
+  // completes when the owner has acknowledged DONE: both sides then agree. On an attachment
+  // both are complete now (this side made the copies), and the owner's ENDED is a notice.
+  tell_end(t, nullptr);
+  if (t.spec.access == Access::read || t.spec.region_tag) transfers_.finish(t, std::nullopt);
 }
 
 void CmaTransport::failed(CmaTransfer& t, const Error& error) {
   if (t.finished()) return;
   transfers_.finish(t, error);
-  if (t.link != nullptr) t.link->send_done(t.id(), t, &error);
+  tell_end(t, &error);
+}
+
+std::string CmaTransport::serve_region(const RegionExposure& region, RegionObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  listener_->serve_region(region, observer);
+  return listener_->info();
+}
+
+void CmaTransport::revoke_attachment(std::uint64_t attachment, const Error& reason) {
+  listener_->revoke_attachment(attachment, reason);
+}
+
+void CmaTransport::end_region(std::uint64_t id, const Error& reason) {
+  listener_->end_region(id, reason);
+}
+
+std::unique_ptr<RemoteRegion> CmaTransport::attach(AttachSpec spec, AttachObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  (void)same_host::parse_endpoint(spec.endpoint);  // bad metadata: thrown
+  const std::uint64_t key = next_region_++;
+  auto region = std::make_unique<CmaRemoteRegion>(*this, key, std::move(spec), observer);
+  regions_[key] = region.get();
+  try {
+    region->link = &link_to(region->spec().endpoint, region->spec().peer_name);
+  } catch (const Error& e) {
+    region->on_lost(e, /*setup=*/true);
+    return region;
+  }
+  links_.used(region->link);
+  region->link->attach_region(key, region->attach);
+  return region;
+}
+
+std::unique_ptr<Transfer> CmaTransport::start_attached(CmaRemoteRegion& region, TransferSpec spec,
+                                                       TransferObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  const bool staged = std::any_of(spec.segments.begin(), spec.segments.end(),
+                                  [](const Segment& s) { return s.cuda_device >= 0; });
+  if (staged && !caps_.moves(MemoryKind::cuda))
+    throw Error(ErrorCode::Unsupported, "cma moves host memory only here (no CUDA driver)");
+  auto handle = transfers_.make(std::move(spec), observer);
+  auto* t = &handle->get();
+  t->staged = staged;
+  if (region.link == nullptr) {
+    transfers_.finish(*t, Error(ErrorCode::PeerLost, "the attachment's connection is gone"));
+    return handle;
+  }
+  // Granted already: the attachment's grant covers every transfer on it.
+  t->link = region.link;
+  t->link->attach(t->id());
+  links_.used(t->link);
+  t->claimed = true;
+  t->grant = region.attach.grant;
+  t->secret = region.attach.secret;
+  if (t->total == 0)
+    copied(*t);
+  else
+    copier_.pump(*t);
+  return handle;
+}
+
+void CmaTransport::forget_region(CmaRemoteRegion& region) {
+  regions_.erase(region.key());
+  if (closed_) region.link = nullptr;  // the links are gone
+  if (region.link == nullptr) return;
+  same_host::Link* link = region.link;
+  region.link = nullptr;
+  link->drop_region(region.key(), region.attach, /*detach=*/region.attached());
+  links_.released(link);
+}
+
+same_host::RegionAttach* CmaTransport::attaching(std::uint64_t key) {
+  auto it = regions_.find(key);
+  return it == regions_.end() ? nullptr : &it->second->attach;
+}
+
+void CmaTransport::region_attached(std::uint64_t key) {
+  if (auto it = regions_.find(key); it != regions_.end()) it->second->on_attach();
+}
+
+void CmaTransport::region_ended(std::uint64_t key, const Error& error, bool setup) {
+  auto it = regions_.find(key);
+  if (it == regions_.end()) return;
+  CmaRemoteRegion& region = *it->second;
+  if (region.attached())
+    region.on_ended(error);
+  else if (setup)
+    region.on_lost(error, true);
+  else
+    region.on_refused(error);
 }
 
 }  // namespace ferry::transport::cma

@@ -4,11 +4,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <ferry/options.hpp>
 
 #include "transport/cma/cma_copier.hpp"
+#include "transport/cma/cma_region.hpp"
 #include "transport/cma/cma_transfer.hpp"
 #include "transport/context.hpp"
 #include "transport/kit/link_pool.hpp"
@@ -50,10 +52,18 @@ class CmaTransport final : public Transport,
   std::optional<Error> unreachable(const Endpoint& endpoint) const override;
   void close() override;
 
+  bool serves_regions() const override { return true; }
+  std::string serve_region(const RegionExposure& region, RegionObserver& observer) override;
+  void revoke_attachment(std::uint64_t attachment, const Error& reason) override;
+  void end_region(std::uint64_t id, const Error& reason) override;
+  std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer) override;
+
   /// Grants given up because a peer's copy outlived peer_timeout after a revoke (for tests).
   std::uint32_t quarantined_grants() const noexcept { return listener_->quarantined_grants(); }
 
  private:
+  friend class CmaRemoteRegion;
+
   // kit::TransferHooks
   void stop(CmaTransfer& t) override;
   void tell_peer(CmaTransfer& t, const Error& reason) override;
@@ -64,13 +74,23 @@ class CmaTransport final : public Transport,
   void granted(std::uint64_t id, const Token& secret) override;
   void ended(std::uint64_t id, std::optional<Error> error, bool setup) override;
   void link_closed(same_host::Link& link) override;
+  same_host::RegionAttach* attaching(std::uint64_t key) override;
+  void region_attached(std::uint64_t key) override;
+  void region_ended(std::uint64_t key, const Error& error, bool setup) override;
 
   // CmaCopier::Owner
   CmaTransfer* transfer(std::uint64_t id) override;
   void copied(CmaTransfer& t) override;
   void failed(CmaTransfer& t, const Error& error) override;
 
-  same_host::Link& link_to(const TransferSpec& spec);
+  same_host::Link& link_to(const Endpoint& endpoint, const std::string& peer_name);
+  /// A transfer on `region`'s attachment: copies under its grant at once.
+  std::unique_ptr<Transfer> start_attached(CmaRemoteRegion& region, TransferSpec spec,
+                                           TransferObserver& observer);
+  /// `region` is going: its link forgets it (and tells the owner, if it was attached).
+  void forget_region(CmaRemoteRegion& region);
+  /// Tells the owner that `t` ended (DONE, or ENDED for a transfer on an attachment).
+  void tell_end(CmaTransfer& t, const Error* error);
 
   Context ctx_;
   CmaOptions options_;
@@ -82,6 +102,8 @@ class CmaTransport final : public Transport,
   CmaCopier copier_;
   kit::LinkPool<same_host::Link> links_;
   std::uint64_t next_link_ = 1;
+  std::unordered_map<std::uint64_t, CmaRemoteRegion*> regions_;  ///< by key
+  std::uint64_t next_region_ = 1;
   kit::TransferTable<CmaTransfer> transfers_;
 };
 

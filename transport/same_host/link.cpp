@@ -130,6 +130,10 @@ std::optional<Error> Link::on_hello(StreamConnection&, const FrameHeader& hello,
   unsent_.clear();
   for (std::uint64_t id : unsent)
     if (Claimant* c = client_.claimant(id)) send_claim(id, *c);
+  std::vector<std::uint64_t> regions = std::move(unsent_regions_);
+  unsent_regions_.clear();
+  for (std::uint64_t key : regions)
+    if (RegionAttach* a = client_.attaching(key)) send_attach(key, *a);
   return std::nullopt;
 }
 
@@ -205,6 +209,55 @@ void Link::send_done(std::uint64_t transfer, Claimant& c, const Error* error) {
   conn_->send(h, message);
 }
 
+void Link::attach_region(std::uint64_t key, RegionAttach& a) {
+  regions_.insert(key);
+  if (!proven_) {
+    unsent_regions_.push_back(key);
+    return;
+  }
+  send_attach(key, a);
+}
+
+void Link::send_attach(std::uint64_t key, RegionAttach& a) {
+  a.attach_req = pending_.add(conn_->id(), Request{key, Kind::attach});
+  FrameHeader h;
+  h.type = FrameType::attach;
+  h.req_id = a.attach_req;
+  h.op_id = a.region;
+  h.token = a.token;
+  h.flags = static_cast<std::uint16_t>(a.access);
+  conn_->send(h);
+}
+
+void Link::drop_region(std::uint64_t key, RegionAttach& a, bool detach) {
+  regions_.erase(key);
+  std::erase(unsent_regions_, key);
+  pending_.forget(a.attach_req);
+  if (!detach || !a.attached || !conn_->open()) return;
+  FrameHeader h;
+  h.type = FrameType::detach;
+  h.op_id = a.attachment;
+  h.token = a.secret;
+  conn_->send(h);
+}
+
+void Link::send_ended(std::uint64_t transfer, Claimant& c, const Error* error) {
+  if (c.done_sent || !conn_->open()) return;
+  c.done_sent = true;
+  (void)transfer;
+  FrameHeader h;
+  h.type = FrameType::ended;
+  h.op_id = c.transfer_spec->remote_id;
+  h.token = c.transfer_spec->token;
+  h.flags = static_cast<std::uint16_t>(c.transfer_spec->access);
+  if (error != nullptr) h.status = wire::to_wire(error->code());
+  // Kept by the link until it leaves: the transfer may be gone before that.
+  const std::uint64_t key = kNoticeTag | next_notice_++;
+  auto& ranges = notices_[key] = kit::claim_payload(c.transfer_spec->segments);
+  h.len = ranges.size();
+  conn_->send(h, *c.transfer_spec->region_tag, ranges.data(), key);
+}
+
 void Link::await_notice(Claimant& c) {
   if (c.ended_by_owner) return;
   c.ended_by_owner = true;
@@ -225,6 +278,8 @@ wire::Sink Link::on_frame(StreamConnection& conn, const FrameHeader& h, std::str
   switch (h.type) {
     case FrameType::claimed:
       return on_claimed(h);
+    case FrameType::attached:
+      return on_attached(h);
     case FrameType::status:
       on_status(h, message);
       return {};
@@ -248,14 +303,42 @@ wire::Sink Link::on_claimed(const FrameHeader& h) {
   return sink;
 }
 
+wire::Sink Link::on_attached(const FrameHeader& h) {
+  if (h.len > max_payload_)
+    return wire::fatal("ATTACHED with " + std::to_string(h.len) + " bytes of payload");
+  const Request* r = pending_.find(h.req_id, conn_->id());
+  RegionAttach* a = r == nullptr ? nullptr : client_.attaching(r->transfer);
+  if (a == nullptr || r->kind != Kind::attach) return {};  // dropped
+  a->payload.assign(h.len, std::byte{0});
+  wire::Sink sink;
+  sink.dest = a->payload.data();
+  return sink;
+}
+
 void Link::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_t, bool intact) {
-  // Toward a client only CLAIMED carries a payload: the claim is granted once it is whole.
+  // Toward a client only CLAIMED and ATTACHED carry a payload: the claim is granted (the
+  // attachment made) once it is whole.
   std::optional<Request> r = pending_.take(h.req_id, conn.id());
   if (!r) return;
-  Claimant* c = client_.claimant(r->transfer);
+  const Grant grant{static_cast<std::uint32_t>(h.addr), static_cast<std::uint32_t>(h.addr >> 32)};
+  if (h.type == FrameType::attached) {
+    RegionAttach* a = r->kind == Kind::attach ? client_.attaching(r->transfer) : nullptr;
+    if (a == nullptr || (!intact && h.len != 0)) return;
+    if (!owner_->grants->holds(grant)) {
+      conn_->fail_after_notice(wire::to_wire(ErrorCode::ProtocolError),
+                               "ATTACHED names a grant outside the owner's table");
+      return;
+    }
+    a->grant = grant;
+    a->attachment = h.op_id;
+    a->secret = h.token;
+    a->attached = true;
+    client_.region_attached(r->transfer);
+    return;
+  }
+  Claimant* c = r->kind == Kind::claim ? client_.claimant(r->transfer) : nullptr;
   // A payload of no bytes has no sink to land in: it is whole all the same.
   if (c == nullptr || (!intact && h.len != 0)) return;
-  const Grant grant{static_cast<std::uint32_t>(h.addr), static_cast<std::uint32_t>(h.addr >> 32)};
   if (!owner_->grants->holds(grant)) {
     conn_->fail_after_notice(wire::to_wire(ErrorCode::ProtocolError),
                              "CLAIMED names a grant outside the owner's table");
@@ -272,12 +355,18 @@ void Link::on_status(const FrameHeader& h, const std::string& message) {
     const Error ended(wire::from_wire(h.status),
                       "peer " + conn_->describe_peer() +
                           " ended the operation: " + wire::reason_of(h.status, message));
+    // One transfer of an operation; every transfer of an attachment, and the attachment.
+    std::vector<std::uint64_t> hit;
     for (std::uint64_t id : transfers_)
       if (Claimant* c = client_.claimant(id);
-          c != nullptr && c->transfer_spec->remote_id == h.op_id) {
-        client_.ended(id, ended, false);
-        break;
-      }
+          c != nullptr && c->transfer_spec->remote_id == h.op_id)
+        hit.push_back(id);
+    for (std::uint64_t id : hit) client_.ended(id, ended, false);
+    std::vector<std::uint64_t> regions;
+    for (std::uint64_t key : regions_)
+      if (RegionAttach* a = client_.attaching(key); a != nullptr && a->attachment == h.op_id)
+        regions.push_back(key);
+    for (std::uint64_t key : regions) client_.region_ended(key, ended, false);
     return;
   }
   if (h.req_id == 0) {
@@ -285,6 +374,15 @@ void Link::on_status(const FrameHeader& h, const std::string& message) {
     return;
   }
   std::optional<Request> r = pending_.take(h.req_id, conn_->id());
+  if (r && r->kind == Kind::attach) {
+    if (h.status == 0 || client_.attaching(r->transfer) == nullptr) return;
+    client_.region_ended(r->transfer,
+                         Error(wire::from_wire(h.status), "peer " + conn_->describe_peer() +
+                                                              " refused: " +
+                                                              wire::reason_of(h.status, message)),
+                         false);
+    return;
+  }
   if (!r || client_.claimant(r->transfer) == nullptr) return;
   if (h.status == 0) {
     if (r->kind == Kind::done) client_.ended(r->transfer, std::nullopt, false);
@@ -311,6 +409,11 @@ void Link::on_closed(StreamConnection& conn, const std::string& reason) {
     if (Claimant* c = client_.claimant(id))
       // Before the claim was granted, nothing of either side's memory was touched.
       client_.ended(id, error, /*setup=*/!c->claimed);
+  std::vector<std::uint64_t> regions(regions_.begin(), regions_.end());
+  regions_.clear();
+  for (std::uint64_t key : regions)
+    if (RegionAttach* a = client_.attaching(key))
+      client_.region_ended(key, error, /*setup=*/!a->attached && !conn.greeted());
   client_.link_closed(*this);
 }
 

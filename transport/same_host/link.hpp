@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -46,6 +47,19 @@ struct Claimant {
   std::vector<std::byte> payload;  ///< what CLAIMED carried (cuda_ipc: the IPC handles)
 };
 
+/// What a same-host attachment to a region has of the ATTACH exchange (docs/regions.md).
+struct RegionAttach {
+  std::uint64_t region = 0;  ///< the region's id at the owner
+  Token token{};
+  Access access = Access::read;
+  std::uint64_t attach_req = 0;
+  bool attached = false;
+  std::uint64_t attachment = 0;  ///< its id at the owner, once attached
+  Token secret{};
+  Grant grant;
+  std::vector<std::byte> payload;  ///< what ATTACHED carried (cuda_ipc: the IPC handles)
+};
+
 /// The active side's connection to one owner of a same-host method (cma, cuda_ipc). Before it
 /// claims anything it proves the owner: the metadata's process must be the one behind the
 /// socket (SO_PEERCRED), and this process must be able to read it (the probe of HELLO, read
@@ -67,6 +81,20 @@ class Link final : private wire::StreamConnection::Handler {
     virtual void ended(std::uint64_t id, std::optional<Error> error, bool setup) = 0;
     /// The link's connection closed (its transfers heard ended() first): the link goes.
     virtual void link_closed(Link& link) = 0;
+    /// Region attachment `key`, if it is waiting for its ATTACHED or attached.
+    virtual RegionAttach* attaching(std::uint64_t key) {
+      (void)key;
+      return nullptr;
+    }
+    /// It is attached (grant, secret and payload set).
+    virtual void region_attached(std::uint64_t key) { (void)key; }
+    /// It was refused or ended by the owner, or the connection is gone (`setup`: before it
+    /// was attached and before the owner answered).
+    virtual void region_ended(std::uint64_t key, const Error& error, bool setup) {
+      (void)key;
+      (void)error;
+      (void)setup;
+    }
 
    protected:
     ~Client() = default;
@@ -93,6 +121,14 @@ class Link final : private wire::StreamConnection::Handler {
   void attach(std::uint64_t transfer);
   void detach(std::uint64_t transfer);
 
+  /// Sends attachment `key`'s ATTACH (once the owner is proven).
+  void attach_region(std::uint64_t key, RegionAttach& a);
+  /// Attachment `key` goes: forgotten, and when `detach`, the owner told (DETACH).
+  void drop_region(std::uint64_t key, RegionAttach& a, bool detach);
+  /// Tells the owner that a transfer on an attachment ended (ENDED: its tag, its ranges, and
+  /// with `error` why it failed). One-way: the copies were this side's.
+  void send_ended(std::uint64_t transfer, Claimant& c, const Error* error);
+
   /// The owner's process, for copies.
   const std::shared_ptr<OwnerProcess>& owner() const noexcept { return owner_; }
   /// A copy was refused by the kernel (EPERM): later transfers toward this owner fall back.
@@ -107,12 +143,12 @@ class Link final : private wire::StreamConnection::Handler {
   const std::string& peer_name() const noexcept { return peer_name_; }
 
   bool usable() const noexcept { return conn_->usable(); }
-  bool idle() const noexcept { return transfers_.empty(); }
+  bool idle() const noexcept { return transfers_.empty() && regions_.empty(); }
   void close() noexcept { conn_->close_gracefully(); }
   std::chrono::steady_clock::time_point idle_since{};
 
  private:
-  enum class Kind { claim, done };
+  enum class Kind { claim, done, attach };
   struct Request {
     std::uint64_t transfer = 0;
     Kind kind = Kind::claim;
@@ -123,13 +159,15 @@ class Link final : private wire::StreamConnection::Handler {
                       std::string message) override;
   void on_payload(wire::StreamConnection& conn, const wire::FrameHeader& h, std::uint64_t tag,
                   bool intact) override;
-  void on_sent(wire::StreamConnection&, std::uint64_t) override {}
+  void on_sent(wire::StreamConnection&, std::uint64_t tag) override { notices_.erase(tag); }
   void on_closed(wire::StreamConnection& conn, const std::string& reason) override;
   std::optional<Error> on_hello(wire::StreamConnection& conn, const wire::FrameHeader& hello,
                                 wire::FrameHeader& reply) override;
 
   void send_claim(std::uint64_t transfer, Claimant& c);
   wire::Sink on_claimed(const wire::FrameHeader& h);
+  wire::Sink on_attached(const wire::FrameHeader& h);
+  void send_attach(std::uint64_t key, RegionAttach& a);
   void on_status(const wire::FrameHeader& h, const std::string& message);
   void keepalive();
   std::string describe() const;
@@ -145,6 +183,13 @@ class Link final : private wire::StreamConnection::Handler {
   std::unordered_set<std::uint64_t> transfers_;
   /// Transfers whose claims wait for the owner's proof (its HELLO).
   std::vector<std::uint64_t> unsent_;
+  /// Region attachments through this link, by key; those whose ATTACH waits for the proof.
+  std::unordered_set<std::uint64_t> regions_;
+  std::vector<std::uint64_t> unsent_regions_;
+  /// The ranges of ENDED notices not yet sent, by their frame's tag (kNoticeTag set).
+  std::unordered_map<std::uint64_t, std::vector<std::byte>> notices_;
+  std::uint64_t next_notice_ = 1;
+  static constexpr std::uint64_t kNoticeTag = std::uint64_t{1} << 61;
   bool proven_ = false;
   std::optional<Error> refusal_;  ///< why the owner was refused at HELLO
   loop::Timer keepalive_;

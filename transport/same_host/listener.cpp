@@ -51,6 +51,7 @@ Listener::Listener(const Context& ctx, std::string method, const std::string& pr
       address_("@" + prefix + "-" + loop::hex16(loop::random_u64())),
       grants_(grant_slots),
       exposures_(method_, ctx.defer),
+      regions_(method_, exposures_, ctx.defer),
       conns_(ctx.defer) {
   socket_ = std::make_unique<kit::StreamListener>(
       ctx_.loop, listen_on(address_), method_, ctx_.listener,
@@ -81,6 +82,7 @@ void Listener::close() {
       conn->release(claimed_tag(id));
   }
   claimed_.clear();
+  regions_.clear();
   exposures_.clear();
   conns_.clear([](StreamConnection& c) { c.close_gracefully(); });
   for (auto& [id, p] : peers_)
@@ -167,7 +169,8 @@ StreamConnection* Listener::end_claim(std::uint64_t conn_id, std::uint64_t id) {
                      " ms after it ended; its memory may still be touched by that copy");
     claimed_.erase(it);
   }
-  if (conn != nullptr) conn->expect_answers(-1);  // the claim no longer waits for this peer
+  // The claim no longer waits for this peer (an attachment, idle between transfers, never did).
+  if (conn != nullptr && !regions_.is_attachment(id)) conn->expect_answers(-1);
   return conn;
 }
 
@@ -181,6 +184,23 @@ wire::Sink Listener::on_frame(StreamConnection& conn, const FrameHeader& h, std:
       return receive_claim(conn, h);
     case FrameType::done:
       serve_done(conn, h, message);
+      return {};
+    case FrameType::attach:
+      serve_attach(conn, h);
+      return {};
+    case FrameType::ended: {
+      if (h.len == 0 || h.len % 16 != 0 || h.len > kit::Regions::kMaxEndedBytes)
+        return wire::fatal("ENDED of " + std::to_string(h.len) + " bytes of ranges");
+      Peer& p = peers_[conn.id()];
+      p.refused.reset();
+      p.tag = std::move(message);
+      p.claim.resize(h.len);
+      wire::Sink sink;
+      sink.dest = p.claim.data();
+      return sink;
+    }
+    case FrameType::detach:
+      serve_detach(conn, h);
       return {};
     case FrameType::status:
       return {};  // a keepalive: the peer is there, copying
@@ -218,8 +238,12 @@ wire::Sink Listener::receive_claim(StreamConnection& conn, const FrameHeader& h)
 
 void Listener::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_t,
                           bool intact) {
-  // Toward a server only a CLAIM carries a payload (its ranges).
+  // Toward a server only a CLAIM and an ENDED carry a payload (their ranges).
   Peer& p = peers_[conn.id()];
+  if (h.type == FrameType::ended) {
+    if (intact) serve_ended(conn, h);
+    return;
+  }
   if (p.refused) {
     const Error refused = *p.refused;
     p.refused.reset();
@@ -339,6 +363,99 @@ void Listener::on_closed(StreamConnection& conn, const std::string& reason) {
     peers_.erase(p);
   }
   conns_.bury(conn.id());
+}
+
+void Listener::serve_region(const RegionExposure& region, RegionObserver& observer) {
+  regions_.add(region, observer);
+}
+
+void Listener::serve_attach(StreamConnection& conn, const FrameHeader& h) {
+  auto v = regions_.attach(h.op_id, h.token, h.flags, conn.id(), conn.peer_name(),
+                           conn.describe_peer(), conn.peer_id());
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  // From here on it is refused as a whole when any part of it fails.
+  auto refuse = [&](const Error& e) {
+    regions_.revoke(v.attachment);
+    reply(conn, h.req_id, &e);
+  };
+  std::vector<std::byte> payload;
+  if (payload_) {
+    try {
+      payload = payload_(exposures_.find(v.attachment)->exposure);
+    } catch (const Error& e) {
+      refuse(e);
+      return;
+    }
+  }
+  auto grant = grants_.open();
+  if (!grant) {
+    refuse(Error(ErrorCode::Unsupported, "too many operations and attachments at once (" +
+                                             std::to_string(grants_.bytes() / kSlotBytes) + ")"));
+    return;
+  }
+  socket_->admission().claimed(conn.id());
+  Claimed& claimed = claimed_[v.attachment] = Claimed{conn.id(), *grant, {}, std::move(payload)};
+  FrameHeader out;
+  out.type = FrameType::attached;
+  out.req_id = h.req_id;
+  out.op_id = v.attachment;
+  out.token = v.secret;
+  out.addr = std::uint64_t{grant->slot} | (std::uint64_t{grant->generation} << 32);
+  out.len = claimed.payload.size();
+  conn.send(out, {}, claimed.payload.data(),
+            claimed.payload.empty() ? 0 : claimed_tag(v.attachment));
+}
+
+void Listener::serve_ended(StreamConnection& conn, const FrameHeader& h) {
+  Peer& p = peers_[conn.id()];
+  std::vector<std::byte> ranges = std::move(p.claim);
+  std::string tag = std::move(p.tag);
+  // The peer copied under the attachment's grant itself: a write's bytes are in place already.
+  std::optional<Error> outcome;
+  if (h.status != 0) outcome = wire::ended_by_peer(h.status, {}, conn.describe_peer());
+  auto v = regions_.ended(h.op_id, h.token, h.flags, std::move(outcome), std::move(tag),
+                          ranges.data(), ranges.size(), conn.id());
+  if (h.req_id == 0) return;  // a notice
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  reply(conn, h.req_id, nullptr);
+}
+
+void Listener::serve_detach(StreamConnection& conn, const FrameHeader& h) {
+  if (!regions_.holds(h.op_id, h.token, conn.id())) return;
+  end_claim(conn.id(), h.op_id);  // its grant closes first (an attachment still)
+  regions_.detach(h.op_id, h.token, conn.id());
+}
+
+void Listener::end_attachment(std::uint64_t id, const Error& reason) {
+  const kit::Exposures::Entry* entry = exposures_.find(id);
+  if (entry == nullptr || !regions_.is_attachment(id)) return;
+  // When the grant has closed, no copy of that peer touches the memory.
+  if (StreamConnection* conn = end_claim(entry->bound_to, id)) {
+    FrameHeader h;
+    h.type = FrameType::status;
+    h.op_id = id;
+    h.status = wire::to_wire(reason.code());
+    conn->send(h, std::string_view(reason.message()).substr(0, wire::kMaxMessage));
+  }
+  regions_.revoke(id);
+}
+
+void Listener::revoke_attachment(std::uint64_t attachment, const Error& reason) {
+  end_attachment(attachment, reason);
+}
+
+void Listener::end_region(std::uint64_t id, const Error& reason) {
+  for (const auto& [attachment, conn] : regions_.attachments_of(id))
+    end_attachment(attachment, reason);
+  regions_.end(id);
 }
 
 }  // namespace ferry::transport::same_host

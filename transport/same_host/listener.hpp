@@ -12,6 +12,7 @@
 #include "transport/context.hpp"
 #include "transport/kit/connections.hpp"
 #include "transport/kit/exposures.hpp"
+#include "transport/kit/regions.hpp"
 #include "transport/kit/stream_listener.hpp"
 #include "transport/same_host/grant_table.hpp"
 #include "transport/wire/stream_connection.hpp"
@@ -54,6 +55,14 @@ class Listener final : private wire::StreamConnection::Handler {
   void revoke(std::uint64_t id, const Error& reason);
   /// Closes every connection and the socket, without observer calls.
   void close();
+
+  // Regions (docs/regions.md). ATTACH is answered as a claim of the whole region is: ATTACHED
+  // carries the attachment's grant, its secret and what the method adds; the peer then copies
+  // under that grant with no exchange per transfer, and tells the owner of each with a one-way
+  // ENDED. Revoking an attachment closes its grant (waiting for copies under way).
+  void serve_region(const RegionExposure& region, RegionObserver& observer);
+  void revoke_attachment(std::uint64_t attachment, const Error& reason);
+  void end_region(std::uint64_t id, const Error& reason);
   /// Grants given up because a peer's copy outlived peer_timeout after a revoke (for tests).
   std::uint32_t quarantined_grants() const noexcept { return grants_.quarantined(); }
 
@@ -62,8 +71,9 @@ class Listener final : private wire::StreamConnection::Handler {
     std::int64_t pid = 0;  ///< from SO_PEERCRED
     int pidfd = -1;
     std::unique_ptr<Token> probe;  ///< this connection's nonce, at a fixed address
-    std::vector<std::byte> claim;  ///< a CLAIM's ranges being received
+    std::vector<std::byte> claim;  ///< a CLAIM's (or an ENDED's) ranges being received
     std::optional<Error> refused;  ///< a CLAIM refused before its ranges arrived
+    std::string tag;               ///< an ENDED's tag, while its ranges arrive
   };
   struct Claimed {
     std::uint64_t conn = 0;
@@ -87,6 +97,11 @@ class Listener final : private wire::StreamConnection::Handler {
   void serve_claim(wire::StreamConnection& conn, const wire::FrameHeader& h);
   void serve_done(wire::StreamConnection& conn, const wire::FrameHeader& h,
                   const std::string& message);
+  void serve_attach(wire::StreamConnection& conn, const wire::FrameHeader& h);
+  void serve_ended(wire::StreamConnection& conn, const wire::FrameHeader& h);
+  void serve_detach(wire::StreamConnection& conn, const wire::FrameHeader& h);
+  /// The owner ends attachment `id`: its grant closes, its peer hears `reason`.
+  void end_attachment(std::uint64_t id, const Error& reason);
   /// Ends the claim of exposure `id` (if any): its grant closes, waiting for copies under way;
   /// the connection stops waiting for the peer on its account. Returns the connection.
   wire::StreamConnection* end_claim(std::uint64_t conn_id, std::uint64_t id);
@@ -105,6 +120,7 @@ class Listener final : private wire::StreamConnection::Handler {
   bool closed_ = false;
   GrantTable grants_;
   kit::Exposures exposures_;
+  kit::Regions regions_;
   kit::ConnectionSet<wire::StreamConnection> conns_;
   std::unordered_map<std::uint64_t, Peer> peers_;       ///< by connection
   std::unordered_map<std::uint64_t, Claimed> claimed_;  ///< by exposure id

@@ -235,7 +235,7 @@ wire::Sink TcpLink::on_frame(wire::StreamConnection& conn, const FrameHeader& h,
       std::optional<Request> r = pending_.take(h.req_id, conn.id());
       if (!r || r->kind != Kind::attach) return wire::fatal("ATTACHED answers no ATTACH");
       if (auto it = regions_.find(r->transfer); it != regions_.end())
-        it->second->attached(h.op_id, h.token);
+        it->second->granted(h.op_id, h.token);
       return {};
     }
     case FrameType::claimed:
@@ -283,7 +283,7 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
       if (TcpTransfer* t = live(id); t != nullptr && t->spec.remote_id == h.op_id) hit.push_back(t);
     for (TcpTransfer* t : hit) owner_.transfers_.finish(*t, ended);
     for (auto& [id, region] : regions_)
-      if (region->attachment() == h.op_id) region->ended(ended);
+      if (region->attachment() == h.op_id) region->on_ended(ended);
     return {};
   }
   if (h.req_id == 0) {
@@ -298,7 +298,7 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
     if (h.status == 0) return wire::fatal("an ATTACH was answered with success but no ATTACHED");
     const Error refused(wire::from_wire(h.status),
                         peer() + " refused: " + wire::reason_of(h.status, message));
-    if (auto it = regions_.find(r->transfer); it != regions_.end()) it->second->refused(refused);
+    if (auto it = regions_.find(r->transfer); it != regions_.end()) it->second->on_refused(refused);
     return {};
   }
   TcpTransfer* t = live(r->transfer);
@@ -397,7 +397,10 @@ void TcpLink::on_closed(wire::StreamConnection& conn, const std::string& reason)
   std::vector<TcpRemoteRegion*> regions;
   for (auto& [id, region] : regions_) regions.push_back(region);
   regions_.clear();
-  for (TcpRemoteRegion* region : regions) region->lost(error, /*setup=*/!conn.greeted());
+  for (TcpRemoteRegion* region : regions) {
+    region->link = nullptr;  // this link is about to be destroyed
+    region->on_lost(error, /*setup=*/!conn.greeted());
+  }
   // Before the peer's HELLO, nothing of either side's memory was touched: another method may
   // still work.
   owner_.link_lost(*this, on_it, error, /*setup=*/!conn.greeted());

@@ -116,7 +116,7 @@ std::unique_ptr<RemoteRegion> TcpTransport::attach(AttachSpec spec, AttachObserv
   try {
     link_to(addr, region->spec().peer_name).attach_region(*region);
   } catch (const Error& e) {
-    region->lost(e, /*setup=*/true);
+    region->on_lost(e, /*setup=*/true);
   }
   return region;
 }
