@@ -1,18 +1,29 @@
 // ferry-disagg: disaggregated prefill/decode as a NATS-orchestrated system.
 //
 //   client --NATS request "disagg.generate"--> decode worker (queue group "decode")
-//     decode: allocates KV blocks from its pool, exposes them as one WritableOperation served
-//             at "disagg.kv.<decode>.<request>", asks a prefill worker to fill them
+//     decode: allocates KV blocks from its pool and asks a prefill worker to fill them
 //   decode --NATS request "disagg.prefill"--> prefill worker (queue group "prefill")
 //     prefill: computes the KV cache of the prompt (layers x blocks x tokens) and writes it
-//              into the decode worker's blocks with begin_write(..., Subject(...))
-//   decode: verifies every byte, frees the blocks, answers the client
+//              into the decode worker's blocks
+//   decode: starts the request once the KV is in, verifies every byte, frees the blocks,
+//           answers the client
+//
+// Two modes (the client's --mode, per request; the same workers serve both):
+//   region   (the default) the decode worker exposes its whole pool once, as a writable region
+//            with one block per (layer, block), served at "disagg.kv.<decode>"; each prefill
+//            worker attaches once per decode worker and writes a request's blocks by block id
+//            with the request id as tag; the decode worker's region event for that tag says
+//            the bytes are in (docs/regions.md)
+//   oneshot  per request, one WritableOperation over the request's blocks, served at
+//            "disagg.kv.<decode>.<request>", written with begin_write(..., Subject(...))
+// --compare-modes (client, all): the requests once in each mode, and both throughputs.
 //
 // Roles (each a process):
 //   ferry-disagg decode  [--name N] [--blocks B] [--layers L] [--tokens-per-block T]
 //                        [--bytes-per-token X] [--threads W] [--device D]
 //   ferry-disagg prefill [--name N] [--threads W] [--device D]
 //   ferry-disagg client  [--requests R] [--concurrency C] [--min-tokens A] [--max-tokens B]
+//                        [--mode region|oneshot] [--compare-modes 1]
 //   ferry-disagg all     [--prefill P] [--requests R] [--concurrency C] ...
 //     runs a private nats-server (unless FERRY_NATS_URL is set), 1 decode and P prefill
 //     workers as child processes, then the client; stops everything it started, also on
@@ -144,6 +155,7 @@ struct Outcome {
   std::condition_variable cv;
   bool writable_ended = false;
   std::optional<std::string> answer;
+  std::optional<ferry::RegionEvent> event;  ///< region mode: the transfer's event
   template <class Pred>
   bool wait(std::chrono::milliseconds limit, Pred pred) {
     std::unique_lock lock(mu);
@@ -306,6 +318,15 @@ class BlockPool {
     return device_ < 0 ? ferry::Descriptor(p, shape_.block_bytes())
                        : ferry::Descriptor(p, shape_.block_bytes(), ferry::Device::cuda(device_));
   }
+  // The whole pool, one descriptor: block (layer, b) is block layer * blocks + b of it.
+  ferry::Descriptor whole() {
+    const std::size_t bytes = std::size_t{shape_.layers} * blocks_ * shape_.block_bytes();
+    return device_ < 0 ? ferry::Descriptor(memory_.data(), bytes)
+                       : ferry::Descriptor(gpu_->data(), bytes, ferry::Device::cuda(device_));
+  }
+  std::uint64_t block_id(std::uint32_t layer, std::uint32_t b) const {
+    return std::uint64_t{layer} * blocks_ + b;
+  }
   // The block's bytes, copied to `out` (through the driver for device memory).
   void read(std::uint32_t layer, std::uint32_t b, std::byte* out) const {
     if (device_ < 0)
@@ -354,6 +375,26 @@ int run_decode(const Args& args) {
   Workers workers(args.num("--threads", 8));
   std::atomic<std::uint64_t> served{0};
 
+  // Region mode: the pool, exposed once. Each transfer's event (tag: the request id) goes to
+  // the request waiting for it.
+  std::mutex waiting_mu;
+  std::map<std::string, std::shared_ptr<Outcome>> waiting;
+  ferry::RegionOptions ro;
+  ro.access = ferry::RegionAccess::write;
+  ro.block_size = shape.block_bytes();
+  ro.subject = "disagg.kv." + name;
+  ro.queue_events = false;
+  ro.on_event = [&](const ferry::RegionEvent& e) {
+    if (e.type != ferry::RegionEvent::Type::transfer) return;
+    std::shared_ptr<Outcome> o;
+    {
+      std::lock_guard lock(waiting_mu);
+      if (auto it = waiting.find(e.tag); it != waiting.end()) o = it->second;
+    }
+    if (o) o->set([&](Outcome& x) { x.event = e; });
+  };
+  ferry::Region region = connector.create_region({pool.whole()}, ro);
+
   auto handle = [&](natsMsg* msg) {
     json reply;
     auto t0 = Clock::now();
@@ -373,30 +414,15 @@ int run_decode(const Args& args) {
       if (!taken)
         throw std::runtime_error("no " + std::to_string(n) + " free KV blocks within 20 s");
       Lease lease{pool, std::move(*taken)};
-      // The request's KV lands in its blocks, layer by layer: one descriptor per layer and
-      // block, matched with the prefill worker's contiguous buffer as one byte stream.
-      std::vector<ferry::Descriptor> local;
-      for (std::uint32_t l = 0; l < shape.layers; ++l)
-        for (std::uint32_t b : lease.blocks) local.push_back(pool.descriptor(l, b));
-      ferry::OperationOptions o;
-      o.subject = "disagg.kv." + name + "." + std::to_string(id);
-      auto writable = connector.create_writable(local, o);
-      auto outcome = std::make_shared<Outcome>();
-      writable.on_complete([outcome](ferry::OperationStatus, const ferry::Error*) {
-        outcome->set([](Outcome& x) { x.writable_ended = true; });
-      });
+      const bool by_region = req.value("mode", "region") == "region";
+      reply["mode"] = by_region ? "region" : "oneshot";
       json ask = {{"id", id},
                   {"prompt", prompt},
                   {"tokens", tokens},
                   {"layers", shape.layers},
                   {"tokens_per_block", shape.tokens_per_block},
-                  {"bytes_per_token", shape.bytes_per_token},
-                  {"kv_subject", o.subject}};
-      natsSubscription* pending = ask_async(nats, kPrefill, ask.dump(), outcome);
-      // Whichever comes first: the KV arrived (or failed: a prefill worker that dies
-      // mid-write fails the writable at once), or the prefill worker answered (perhaps that
-      // it could not).
-      outcome->wait(30s, [](Outcome& x) { return x.writable_ended || x.answer.has_value(); });
+                  {"bytes_per_token", shape.bytes_per_token}};
+      auto outcome = std::make_shared<Outcome>();
       std::string why;
       auto note_answer = [&] {
         json pre = json::parse(*outcome->answer);
@@ -405,23 +431,87 @@ int run_decode(const Args& args) {
         if (!pre.value("ok", false))
           why = "prefill " + pre.value("worker", "?") + ": " + pre.value("error", "failed");
       };
-      if (outcome->answer) note_answer();
-      if (!why.empty()) writable.cancel();
       bool ok = false;
-      if (why.empty()) {
-        try {
-          writable.wait_for_completion();  // its deadline is the connector's default
-          ok = true;
-        } catch (const ferry::Error& e) {
-          why = e.what();
+      if (by_region) {
+        // The request's blocks, by id in the pool's region, layer by layer: matched with the
+        // prefill worker's contiguous buffer.
+        std::vector<std::uint64_t> ids;
+        for (std::uint32_t l = 0; l < shape.layers; ++l)
+          for (std::uint32_t b : lease.blocks) ids.push_back(pool.block_id(l, b));
+        const std::string tag = std::to_string(id);
+        {
+          std::lock_guard lock(waiting_mu);
+          waiting[tag] = outcome;
         }
-      }
-      if (ok && !reply.contains("prefill")) {
-        // The bytes are in; the answer (which worker, which method) follows at once.
-        outcome->wait(2s, [](Outcome& x) { return x.answer.has_value(); });
+        ask["region_subject"] = ro.subject;
+        ask["blocks"] = ids;
+        natsSubscription* pending = ask_async(nats, kPrefill, ask.dump(), outcome);
+        // The request starts when its KV is in: the region's event for its tag. (Or the
+        // prefill worker answered first that it could not.)
+        outcome->wait(30s, [](Outcome& x) {
+          return x.event.has_value() ||
+                 (x.answer && x.answer->find("\"ok\":true") == std::string::npos);
+        });
         if (outcome->answer) note_answer();
+        if (!outcome->event && why.empty())
+          why = "no region event for request " + tag + " within 30 s";
+        if (outcome->event && why.empty()) {
+          const ferry::RegionEvent& e = *outcome->event;
+          if (e.status != ferry::OperationStatus::complete)
+            why = "the KV write failed: " + (e.error ? e.error->message() : std::string("?"));
+          else if (std::vector<std::uint64_t>(e.blocks) != [&] {
+                     auto sorted = ids;
+                     std::sort(sorted.begin(), sorted.end());
+                     return sorted;
+                   }())
+            why = "the KV write reached other blocks than the request's";
+          else
+            ok = true;
+        }
+        {
+          std::lock_guard lock(waiting_mu);
+          waiting.erase(tag);
+        }
+        if (ok && !reply.contains("prefill")) {
+          outcome->wait(2s, [](Outcome& x) { return x.answer.has_value(); });
+          if (outcome->answer) note_answer();
+        }
+        natsSubscription_Destroy(pending);
+      } else {
+        // The request's KV lands in its blocks, layer by layer: one descriptor per layer and
+        // block, matched with the prefill worker's contiguous buffer as one byte stream.
+        std::vector<ferry::Descriptor> local;
+        for (std::uint32_t l = 0; l < shape.layers; ++l)
+          for (std::uint32_t b : lease.blocks) local.push_back(pool.descriptor(l, b));
+        ferry::OperationOptions o;
+        o.subject = "disagg.kv." + name + "." + std::to_string(id);
+        auto writable = connector.create_writable(local, o);
+        writable.on_complete([outcome](ferry::OperationStatus, const ferry::Error*) {
+          outcome->set([](Outcome& x) { x.writable_ended = true; });
+        });
+        ask["kv_subject"] = o.subject;
+        natsSubscription* pending = ask_async(nats, kPrefill, ask.dump(), outcome);
+        // Whichever comes first: the KV arrived (or failed: a prefill worker that dies
+        // mid-write fails the writable at once), or the prefill worker answered (perhaps that
+        // it could not).
+        outcome->wait(30s, [](Outcome& x) { return x.writable_ended || x.answer.has_value(); });
+        if (outcome->answer) note_answer();
+        if (!why.empty()) writable.cancel();
+        if (why.empty()) {
+          try {
+            writable.wait_for_completion();  // its deadline is the connector's default
+            ok = true;
+          } catch (const ferry::Error& e) {
+            why = e.what();
+          }
+        }
+        if (ok && !reply.contains("prefill")) {
+          // The bytes are in; the answer (which worker, which method) follows at once.
+          outcome->wait(2s, [](Outcome& x) { return x.answer.has_value(); });
+          if (outcome->answer) note_answer();
+        }
+        natsSubscription_Destroy(pending);
       }
-      natsSubscription_Destroy(pending);
       if (ok) {
         // Every byte, every layer, every block.
         const auto digest = disagg::prompt_digest(prompt);
@@ -463,6 +553,16 @@ int run_prefill(const Args& args) {
   Nats nats(name);
   Workers workers(args.num("--threads", 4));
   std::atomic<std::uint64_t> served{0};
+  // Region mode: one attachment per decode worker, made on its first request and kept.
+  std::mutex attached_mu;
+  std::map<std::string, std::shared_ptr<ferry::Attachment>> attached;
+  auto attachment = [&](const std::string& subject) {
+    std::lock_guard lock(attached_mu);
+    auto& a = attached[subject];
+    if (!a || a->state() == ferry::Attachment::State::detached)
+      a = std::make_shared<ferry::Attachment>(connector.attach(ferry::Subject(subject)));
+    return a;
+  };
 
   auto handle = [&](natsMsg* msg) {
     json reply = {{"worker", name}};
@@ -490,10 +590,20 @@ int run_prefill(const Args& args) {
         gpu->write(0, kv.data(), kv.size());
         source = ferry::Descriptor(gpu->data(), kv.size(), ferry::Device::cuda(device));
       }
-      auto write = connector.begin_write({source}, ferry::Subject(req.at("kv_subject")));
-      write.wait_for_completion();
+      if (req.contains("region_subject")) {
+        auto att = attachment(req.at("region_subject"));
+        ferry::TransferOptions t;
+        t.tag = std::to_string(req.at("id").get<std::uint64_t>());
+        auto write =
+            att->write_blocks({source}, req.at("blocks").get<std::vector<std::uint64_t>>(), t);
+        write.wait_for_completion();
+        reply["method"] = write.method();
+      } else {
+        auto write = connector.begin_write({source}, ferry::Subject(req.at("kv_subject")));
+        write.wait_for_completion();
+        reply["method"] = write.method();
+      }
       reply["ok"] = true;
-      reply["method"] = write.method();
       reply["bytes"] = kv.size();
     } catch (const std::exception& e) {
       reply["ok"] = false;
@@ -518,19 +628,13 @@ double percentile(std::vector<double> v, double p) {
   return v[std::min(i, v.size() - 1)];
 }
 
-int run_client(const Args& args) {
+// Sends `requests` requests in `mode` and prints their summary; returns whether every one was
+// verified, and the throughput in `rate` (requests/s) and `gbps` (GB/s of KV).
+bool run_batch(Nats& nats, const Args& args, const std::string& mode, double& rate, double& gbps) {
   const std::uint32_t requests = args.num("--requests", 300);
   const std::uint32_t concurrency = std::max<std::uint32_t>(1, args.num("--concurrency", 8));
   const std::uint32_t min_tokens = args.num("--min-tokens", 128);
   const std::uint32_t max_tokens = std::max(min_tokens, args.num("--max-tokens", 512));
-  Nats nats("disagg-client");
-
-  // Wait for the decode worker to answer at all (it may still be starting).
-  auto until = Clock::now() + 20s;
-  while (Clock::now() < until && !g_stop) {
-    if (nats.request(kGenerate, "{}", 500ms)) break;
-    std::this_thread::sleep_for(100ms);
-  }
 
   struct Result {
     bool sent = false;
@@ -553,7 +657,8 @@ int run_client(const Args& args) {
       for (std::uint32_t i; !g_stop && (i = next++) < requests;) {
         json req = {{"id", i},
                     {"prompt", "request " + std::to_string(i) + ": tell me about ferries"},
-                    {"tokens", tokens(rng)}};
+                    {"tokens", tokens(rng)},
+                    {"mode", mode}};
         auto t0 = Clock::now();
         Result& r = results[i];
         r.sent = true;
@@ -614,7 +719,7 @@ int run_client(const Args& args) {
     ++by_prefill[r.prefill];
     ++by_method[r.method];
   }
-  std::printf("\n== ferry disaggregated prefill/decode ==\n");
+  std::printf("\n== ferry disaggregated prefill/decode (%s mode) ==\n", mode.c_str());
   std::printf("requests     %u sent, %u verified, %u failed%s\n", sent, ok, sent - ok,
               g_stop ? " (stopped early)" : "");
   std::printf("bytes moved  %.1f MiB of KV cache, every byte verified by the decode worker\n",
@@ -636,7 +741,33 @@ int run_client(const Args& args) {
       std::printf("failed       request %u: %s\n", i, results[i].error.c_str());
       ++shown;
     }
-  return ok == requests ? 0 : 1;
+  rate = ok / secs;
+  gbps = static_cast<double>(bytes) / secs / 1e9;
+  return ok == requests;
+}
+
+int run_client(const Args& args) {
+  const std::string mode = args.str("--mode", "region");
+  if (mode != "region" && mode != "oneshot")
+    throw std::runtime_error("--mode is region or oneshot, not '" + mode + "'");
+  Nats nats("disagg-client");
+  // Wait for the decode worker to answer at all (it may still be starting).
+  auto until = Clock::now() + 20s;
+  while (Clock::now() < until && !g_stop) {
+    if (nats.request(kGenerate, "{}", 500ms)) break;
+    std::this_thread::sleep_for(100ms);
+  }
+  double rate = 0, gbps = 0;
+  if (args.num("--compare-modes", 0) == 0) return run_batch(nats, args, mode, rate, gbps) ? 0 : 1;
+  // The same requests in both modes, one after the other.
+  double one_rate = 0, one_gbps = 0;
+  const bool region_ok = run_batch(nats, args, "region", rate, gbps);
+  const bool oneshot_ok = !g_stop && run_batch(nats, args, "oneshot", one_rate, one_gbps);
+  std::printf("\n== modes compared ==\n");
+  std::printf("region       %.1f requests/s, %.2f GB/s\n", rate, gbps);
+  std::printf("oneshot      %.1f requests/s, %.2f GB/s\n", one_rate, one_gbps);
+  if (one_rate > 0) std::printf("ratio        region / oneshot = %.2f x\n", rate / one_rate);
+  return region_ok && oneshot_ok ? 0 : 1;
 }
 
 // ---------------------------------------------------------------------------------------
