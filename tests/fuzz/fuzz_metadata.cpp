@@ -58,8 +58,36 @@ std::string outcome(F&& read) {
 
 }  // namespace
 
+// A region's metadata (docs/regions.md): the same promises of from_json, validate and to_json.
+void check_region(std::string_view text) {
+  ferry::RegionMetadata parsed;
+  if (!only_ferry_errors("region from_json",
+                         [&] { parsed = ferry::RegionMetadata::from_json(text); }))
+    return;
+  if (!only_ferry_errors("region validate", [&] { parsed.validate(); }))
+    finding("RegionMetadata::validate() refused a value that from_json accepted", text);
+  std::string json;
+  try {
+    json = parsed.to_json();
+  } catch (const std::exception& e) {
+    finding("RegionMetadata::to_json threw on a value from_json accepted", e.what());
+  }
+  ferry::RegionMetadata again;
+  if (!only_ferry_errors("region from_json of to_json",
+                         [&] { again = ferry::RegionMetadata::from_json(json); }))
+    finding("RegionMetadata::to_json wrote a document that from_json refuses", json);
+  if (!(again == parsed)) finding("the round trip changed the region's metadata", json);
+  // One document is never both kinds.
+  try {
+    (void)ferry::RdmaMetadata::from_json(text);
+    finding("a document read as both a region's and an operation's metadata", text);
+  } catch (const ferry::Error&) {
+  }
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
+  check_region(text);
 
   if (outcome([&] { return ferry::RdmaMetadata::from_json(text); }) !=
       outcome([&] { return ferry::detail::metadata_from_json_general(text); }))

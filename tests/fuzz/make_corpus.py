@@ -270,7 +270,13 @@ def metadata_seeds():
     many = dict(METADATA, descriptors=[{"device": "cuda", "ptr": 4096 * (i + 1), "size": 4096}
                                        for i in range(8)])
     bad = dict(METADATA, version=2)
+    # A region's metadata (docs/regions.md): the shared fields, its kind, access and blocks.
+    region = {k: v for k, v in METADATA.items() if k not in ("operation_kind", "notification_key")}
+    region.update(kind="ferry.region", region_id="0123456789abcdef", access="read_write",
+                  block_size=4096, descriptors=[{"device": "cpu", "ptr": 4096, "size": 16384}])
     return {
+        "region": json.dumps(region).encode(),
+        "region-ragged-blocks": json.dumps(dict(region, block_size=3000)).encode(),
         "valid": json.dumps(METADATA).encode(),
         "one-descriptor": json.dumps(one, indent=1).encode(),
         "many-descriptors": json.dumps(many).encode(),

@@ -11,6 +11,7 @@
 #include <ferry/error.hpp>
 
 #include "transport/cuda/copy_engine.hpp"
+#include "transport/same_host/system.hpp"
 
 namespace ferry::transport::cuda_ipc {
 
@@ -260,7 +261,7 @@ void IpcImports::import(Mapping& m, const FetchFd& fetch) {
   CUresult rc = api_.mem_import_from_shareable_handle(
       &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(fd)),
       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-  ::close(fd);
+  same_host::close_fetched(fd);  // fetch_fd made it
   if (rc != CUDA_SUCCESS)
     throw unopened("cuMemImportFromShareableHandle: " + cuda::result_text(&api_, rc));
   std::string why;

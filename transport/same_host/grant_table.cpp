@@ -123,7 +123,7 @@ GrantView::GrantView(int fd, std::size_t bytes) : bytes_(bytes) {
   void* p =
       bytes == 0 ? MAP_FAILED : ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
-  ::close(fd);
+  close_fetched(fd);  // fetch_fd made it
   if (p == MAP_FAILED)
     throw Error(ErrorCode::Unsupported, "cannot map the owner's cma grant table: " +
                                             (bytes == 0 ? std::string("empty") : errno_text(err)));

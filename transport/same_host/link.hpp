@@ -16,6 +16,7 @@
 #include "transport/kit/pending.hpp"
 #include "transport/same_host/grant_table.hpp"
 #include "transport/same_host/owner_info.hpp"
+#include "transport/same_host/system.hpp"
 #include "transport/wire/stream_connection.hpp"
 
 namespace ferry::transport::same_host {
@@ -30,7 +31,7 @@ struct OwnerProcess {
   OwnerProcess(const OwnerProcess&) = delete;
   OwnerProcess& operator=(const OwnerProcess&) = delete;
   ~OwnerProcess() {
-    if (pidfd >= 0) ::close(pidfd);
+    close_fetched(pidfd);
   }
 };
 

@@ -86,7 +86,7 @@ void Listener::close() {
   exposures_.clear();
   conns_.clear([](StreamConnection& c) { c.close_gracefully(); });
   for (auto& [id, p] : peers_)
-    if (p.pidfd >= 0) ::close(p.pidfd);
+    close_fetched(p.pidfd);
   peers_.clear();
 }
 
@@ -359,7 +359,7 @@ void Listener::on_closed(StreamConnection& conn, const std::string& reason) {
                                                                        " disconnected: " + reason));
   socket_->admission().closed(conn.id());
   if (auto p = peers_.find(conn.id()); p != peers_.end()) {
-    if (p->second.pidfd >= 0) ::close(p->second.pidfd);
+    close_fetched(p->second.pidfd);
     peers_.erase(p);
   }
   conns_.bury(conn.id());

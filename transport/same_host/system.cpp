@@ -139,6 +139,10 @@ int fetch_fd(int pidfd, std::int64_t pid, int fd) {
   return got;
 }
 
+void close_fetched(int fd) noexcept {
+  if (fd >= 0) ::syscall(SYS_close, fd);
+}
+
 bool process_exited(int pidfd) noexcept {
   if (pidfd < 0) return false;
   pollfd p{pidfd, POLLIN, 0};

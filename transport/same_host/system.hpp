@@ -57,6 +57,11 @@ int open_pidfd(std::int64_t pid);
 /// /proc/<pid>/fd/<fd> (the same permission check: ptrace read access). Throws
 /// Error(Unsupported) naming the call and errno when it is refused.
 int fetch_fd(int pidfd, std::int64_t pid, int fd);
+/// Closes a descriptor that open_pidfd or fetch_fd returned, by the raw system call as it was
+/// made: a sanitizer that intercepts close() but never saw the descriptor made (pidfd_open and
+/// pidfd_getfd are raw calls) would take an older descriptor of the same number, closed on
+/// another thread, for this one. Nothing for a negative `fd`.
+void close_fetched(int fd) noexcept;
 /// Whether the process behind `pidfd` has exited (false when pidfd < 0: unknown).
 bool process_exited(int pidfd) noexcept;
 
