@@ -135,6 +135,32 @@ TEST_F(CudaIpc, TheChildReadsAndWritesOurDeviceMemory) {
   EXPECT_EQ(operations_by(us, "cuda_ipc"), 8u);
 }
 
+// Regions (docs/regions.md): attached once, then reads and writes under the attachment's grant
+// and handles, the owner told of each.
+TEST_F(CudaIpc, ARegionOfTheChildsDeviceMemoryIsAttachedOnceThenReadAndWritten) {
+  Connector us(ipc_only("parent"));
+  const std::size_t size = (std::size_t{3} << 20) + 5;
+  RegionMetadata region = child_->region(1, size, 51, 52);
+  auto att = us.attach(region);
+  // Several reads of parts, from host and device memory, on the one attachment.
+  Memory into(0, size);
+  const std::size_t half = size / 2;
+  auto a = att.read({{0, half}},
+                    {Descriptor(into.descriptor().bytes(), half, into.descriptor().device())});
+  auto b = att.read({{half, size - half}}, {Descriptor(into.descriptor().bytes() + half,
+                                                       size - half, into.descriptor().device())});
+  ASSERT_TRUE(a.wait_for_completion(kWait));
+  ASSERT_TRUE(b.wait_for_completion(kWait));
+  EXPECT_EQ(att.method(), "cuda_ipc");
+  EXPECT_EQ(into.mismatch(51), -1);
+  Memory from(-1, size);
+  from.fill(52);
+  auto w = att.write({from.descriptor()}, {{0, size}});
+  ASSERT_TRUE(w.wait_for_completion(kWait));
+  EXPECT_EQ(answer(), "END complete -1");  // the child's event came, and its memory holds ours
+  EXPECT_EQ(operations_by(us, "cuda_ipc"), 3u);
+}
+
 TEST_F(CudaIpc, WeReadAndWriteTheChildsDeviceMemory) {
   Connector us(ipc_only("parent"));
   const std::size_t size = (std::size_t{9} << 20) + 3;

@@ -37,6 +37,11 @@ inline Alloc alloc_named(const std::string& name) {
 ///                         not of SEED's pattern, -1: none); or "IPC REFUSED <code> <message>"
 ///   share read|write SEED the same, in the memory held
 ///   begin read|write DEVICE SEED <json>  the active side on our metadata, same END answer
+///   region DEVICE SIZE SEED WSEED        a read_write region over SIZE bytes filled with SEED
+///                         (docs/regions.md); answers "IPC META <region json>", then, once a
+///                         peer's write of the region completes (its event), "IPC END complete
+///                         <mismatch>" (first byte not of WSEED's pattern, -1: none), or
+///                         "IPC END <what ended it> -1"
 ///   hold DEVICE SIZE [ALLOC]             allocates SIZE bytes and keeps them; "IPC HELD"
 ///   free                                 frees them; "IPC FREED"
 ///   quit
@@ -63,6 +68,36 @@ inline void serve_peer_commands(const ConnectorOptions& options,
     if (command == "free") {
       held.reset();
       std::cout << "IPC FREED" << std::endl;
+      continue;
+    }
+    if (command == "region") {
+      std::size_t size = 0;
+      std::uint64_t seed = 0, wseed = 0;
+      in >> device >> size >> seed >> wseed;
+      Memory memory(device, size);
+      memory.fill(seed);
+      RegionOptions ro;
+      ro.access = RegionAccess::read_write;
+      Region region;
+      try {
+        region = us.create_region({memory.descriptor()}, ro);
+      } catch (const Error& e) {
+        std::cout << "IPC REFUSED " << to_string(e.code()) << " " << e.message() << std::endl;
+        continue;
+      }
+      std::cout << "IPC META " << region.metadata().to_json() << std::endl;
+      std::string status = "timeout";
+      long long mismatch = -1;
+      const auto until = std::chrono::steady_clock::now() + wait;
+      while (std::chrono::steady_clock::now() < until) {
+        auto e = region.next_event(std::chrono::milliseconds(100));
+        if (!e || e->type != RegionEvent::Type::transfer || e->kind != OperationKind::write)
+          continue;
+        status = e->error ? to_string(e->error->code()) : "complete";
+        if (!e->error) mismatch = memory.mismatch(wseed);
+        break;
+      }
+      std::cout << "IPC END " << status << " " << mismatch << std::endl;
       continue;
     }
     in >> kind;
@@ -165,6 +200,15 @@ class PeerChild {
   RdmaMetadata shares(const std::string& kind, std::uint64_t seed) {
     send_line("share " + kind + " " + std::to_string(seed));
     return metadata_answer();
+  }
+  /// It exposes a read_write region of SIZE bytes of `device` filled with SEED; returns its
+  /// metadata (see "region" above).
+  RegionMetadata region(int device, std::size_t size, std::uint64_t seed, std::uint64_t wseed) {
+    send_line("region " + std::to_string(device) + " " + std::to_string(size) + " " +
+              std::to_string(seed) + " " + std::to_string(wseed));
+    const std::string meta = answer();
+    EXPECT_EQ(meta.rfind("META ", 0), 0u) << meta;
+    return RegionMetadata::from_json(meta.substr(5));
   }
   RdmaMetadata metadata_answer() {
     const std::string meta = answer();

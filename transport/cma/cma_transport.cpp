@@ -142,8 +142,7 @@ void CmaTransport::link_closed(same_host::Link& link) {
   // Every transfer on it (also those of a link replaced in the pool meanwhile) ended first.
   for (CmaTransfer* t : transfers_.all())
     if (t->link == &link) t->link = nullptr;
-  for (auto& [key, region] : regions_)
-    if (region->link == &link) region->link = nullptr;
+  regions_.link_closed(link);
   links_.remove(&link);
 }
 
@@ -208,21 +207,13 @@ void CmaTransport::end_region(std::uint64_t id, const Error& reason) {
 std::unique_ptr<RemoteRegion> CmaTransport::attach(AttachSpec spec, AttachObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
   (void)same_host::parse_endpoint(spec.endpoint);  // bad metadata: thrown
-  const std::uint64_t key = next_region_++;
-  auto region = std::make_unique<CmaRemoteRegion>(*this, key, std::move(spec), observer);
-  regions_[key] = region.get();
-  try {
-    region->link = &link_to(region->spec().endpoint, region->spec().peer_name);
-  } catch (const Error& e) {
-    region->on_lost(e, /*setup=*/true);
-    return region;
-  }
-  links_.used(region->link);
-  region->link->attach_region(key, region->attach);
-  return region;
+  return regions_.attach(
+      *this, ctx_.defer, links_,
+      [this](const AttachSpec& s) -> same_host::Link& { return link_to(s.endpoint, s.peer_name); },
+      std::move(spec), observer);
 }
 
-std::unique_ptr<Transfer> CmaTransport::start_attached(CmaRemoteRegion& region, TransferSpec spec,
+std::unique_ptr<Transfer> CmaTransport::start_attached(Attached& region, TransferSpec spec,
                                                        TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
   const bool staged = std::any_of(spec.segments.begin(), spec.segments.end(),
@@ -250,35 +241,6 @@ std::unique_ptr<Transfer> CmaTransport::start_attached(CmaRemoteRegion& region, 
   return handle;
 }
 
-void CmaTransport::forget_region(CmaRemoteRegion& region) {
-  regions_.erase(region.key());
-  if (closed_) region.link = nullptr;  // the links are gone
-  if (region.link == nullptr) return;
-  same_host::Link* link = region.link;
-  region.link = nullptr;
-  link->drop_region(region.key(), region.attach, /*detach=*/region.attached());
-  links_.released(link);
-}
-
-same_host::RegionAttach* CmaTransport::attaching(std::uint64_t key) {
-  auto it = regions_.find(key);
-  return it == regions_.end() ? nullptr : &it->second->attach;
-}
-
-void CmaTransport::region_attached(std::uint64_t key) {
-  if (auto it = regions_.find(key); it != regions_.end()) it->second->on_attach();
-}
-
-void CmaTransport::region_ended(std::uint64_t key, const Error& error, bool setup) {
-  auto it = regions_.find(key);
-  if (it == regions_.end()) return;
-  CmaRemoteRegion& region = *it->second;
-  if (region.attached())
-    region.on_ended(error);
-  else if (setup)
-    region.on_lost(error, true);
-  else
-    region.on_refused(error);
-}
+void CmaTransport::forget_region(Attached& region) { regions_.forget(region, links_, closed_); }
 
 }  // namespace ferry::transport::cma

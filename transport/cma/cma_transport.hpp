@@ -10,7 +10,6 @@
 #include <ferry/options.hpp>
 
 #include "transport/cma/cma_copier.hpp"
-#include "transport/cma/cma_region.hpp"
 #include "transport/cma/cma_transfer.hpp"
 #include "transport/context.hpp"
 #include "transport/kit/link_pool.hpp"
@@ -18,6 +17,7 @@
 #include "transport/kit/transfers.hpp"
 #include "transport/same_host/link.hpp"
 #include "transport/same_host/listener.hpp"
+#include "transport/same_host/remote_region.hpp"
 #include "transport/transport.hpp"
 
 namespace ferry::transport::cma {
@@ -62,7 +62,8 @@ class CmaTransport final : public Transport,
   std::uint32_t quarantined_grants() const noexcept { return listener_->quarantined_grants(); }
 
  private:
-  friend class CmaRemoteRegion;
+  friend class same_host::RemoteRegion<CmaTransport>;
+  using Attached = same_host::RemoteRegion<CmaTransport>;
 
   // kit::TransferHooks
   void stop(CmaTransfer& t) override;
@@ -74,9 +75,11 @@ class CmaTransport final : public Transport,
   void granted(std::uint64_t id, const Token& secret) override;
   void ended(std::uint64_t id, std::optional<Error> error, bool setup) override;
   void link_closed(same_host::Link& link) override;
-  same_host::RegionAttach* attaching(std::uint64_t key) override;
-  void region_attached(std::uint64_t key) override;
-  void region_ended(std::uint64_t key, const Error& error, bool setup) override;
+  same_host::RegionAttach* attaching(std::uint64_t key) override { return regions_.attaching(key); }
+  void region_attached(std::uint64_t key) override { regions_.attached(key); }
+  void region_ended(std::uint64_t key, const Error& error, bool setup) override {
+    regions_.ended(key, error, setup);
+  }
 
   // CmaCopier::Owner
   CmaTransfer* transfer(std::uint64_t id) override;
@@ -85,10 +88,10 @@ class CmaTransport final : public Transport,
 
   same_host::Link& link_to(const Endpoint& endpoint, const std::string& peer_name);
   /// A transfer on `region`'s attachment: copies under its grant at once.
-  std::unique_ptr<Transfer> start_attached(CmaRemoteRegion& region, TransferSpec spec,
+  std::unique_ptr<Transfer> start_attached(Attached& region, TransferSpec spec,
                                            TransferObserver& observer);
   /// `region` is going: its link forgets it (and tells the owner, if it was attached).
-  void forget_region(CmaRemoteRegion& region);
+  void forget_region(Attached& region);
   /// Tells the owner that `t` ended (DONE, or ENDED for a transfer on an attachment).
   void tell_end(CmaTransfer& t, const Error* error);
 
@@ -102,8 +105,7 @@ class CmaTransport final : public Transport,
   CmaCopier copier_;
   kit::LinkPool<same_host::Link> links_;
   std::uint64_t next_link_ = 1;
-  std::unordered_map<std::uint64_t, CmaRemoteRegion*> regions_;  ///< by key
-  std::uint64_t next_region_ = 1;
+  same_host::RemoteRegions<CmaTransport> regions_;
   kit::TransferTable<CmaTransfer> transfers_;
 };
 

@@ -124,7 +124,7 @@ std::unique_ptr<Transfer> CudaIpcTransport::start(TransferSpec spec, TransferObs
   auto handle = transfers_.make(std::move(spec), observer);
   auto* t = &handle->get();
   try {
-    t->link = &link_to(t->spec);
+    t->link = &link_to(t->spec.endpoint, t->spec.peer_name);
   } catch (const Error& e) {
     transfers_.finish(*t, e, /*setup=*/true);
     return handle;
@@ -136,13 +136,13 @@ std::unique_ptr<Transfer> CudaIpcTransport::start(TransferSpec spec, TransferObs
   return handle;
 }
 
-same_host::Link& CudaIpcTransport::link_to(const TransferSpec& spec) {
-  if (same_host::Link* link = links_.find(spec.endpoint.address)) return *link;
-  return *links_.add(spec.endpoint.address, std::make_unique<same_host::Link>(
-                                                ctx_, static_cast<same_host::Link::Client&>(*this),
-                                                "cuda_ipc", next_link_++, spec.endpoint.address,
-                                                same_host::parse_info(spec.endpoint.info),
-                                                spec.peer_name, kMaxHandleBytes));
+same_host::Link& CudaIpcTransport::link_to(const Endpoint& endpoint, const std::string& peer_name) {
+  if (same_host::Link* link = links_.find(endpoint.address)) return *link;
+  return *links_.add(
+      endpoint.address,
+      std::make_unique<same_host::Link>(
+          ctx_, static_cast<same_host::Link::Client&>(*this), "cuda_ipc", next_link_++,
+          endpoint.address, same_host::parse_info(endpoint.info), peer_name, kMaxHandleBytes));
 }
 
 same_host::Claimant* CudaIpcTransport::claimant(std::uint64_t id) {
@@ -154,6 +154,11 @@ void CudaIpcTransport::granted(std::uint64_t id, const Token& secret) {
   CudaIpcTransfer* t = transfers_.find(id);
   if (t == nullptr || t->finished()) return;
   t->secret = secret;
+  begin_copies(*t);
+}
+
+void CudaIpcTransport::begin_copies(CudaIpcTransfer& tr) {
+  CudaIpcTransfer* t = &tr;
   std::vector<IpcRange> ranges;
   std::optional<Error> error;
   if (!decode_ranges(t->payload.data(), t->payload.size(), ranges)) {
@@ -264,8 +269,18 @@ void CudaIpcTransport::copied(std::uint64_t transfer, std::uint64_t copy,
 }
 
 void CudaIpcTransport::all_copied(CudaIpcTransfer& t) {
-  t.link->send_done(t.id(), t, nullptr);
-  if (t.spec.access == Access::read) transfers_.finish(t, std::nullopt);
+  // On an attachment both kinds are complete now (this side's copies put every byte in
+  // place), and the owner's ENDED is a notice.
+  tell_end(t, nullptr);
+  if (t.spec.access == Access::read || t.spec.region_tag) transfers_.finish(t, std::nullopt);
+}
+
+void CudaIpcTransport::tell_end(CudaIpcTransfer& t, const Error* error) {
+  if (t.link == nullptr) return;
+  if (t.spec.region_tag)
+    t.link->send_ended(t.id(), t, error);
+  else
+    t.link->send_done(t.id(), t, error);
 }
 
 void CudaIpcTransport::ended(std::uint64_t id, std::optional<Error> error, bool setup) {
@@ -275,6 +290,7 @@ void CudaIpcTransport::ended(std::uint64_t id, std::optional<Error> error, bool 
 void CudaIpcTransport::link_closed(same_host::Link& link) {
   for (CudaIpcTransfer* t : transfers_.all())
     if (t->link == &link) t->link = nullptr;
+  regions_.link_closed(link);
   links_.remove(&link);
 }
 
@@ -289,9 +305,7 @@ void CudaIpcTransport::stop(CudaIpcTransfer& t) {
   if (t.link != nullptr) t.link->release(t.id(), t);
 }
 
-void CudaIpcTransport::tell_peer(CudaIpcTransfer& t, const Error& reason) {
-  if (t.link != nullptr) t.link->send_done(t.id(), t, &reason);
-}
+void CudaIpcTransport::tell_peer(CudaIpcTransfer& t, const Error& reason) { tell_end(t, &reason); }
 
 void CudaIpcTransport::settle(CudaIpcTransfer& t) {
   if (t.link == nullptr) return;
@@ -304,7 +318,54 @@ void CudaIpcTransport::settle(CudaIpcTransfer& t) {
 void CudaIpcTransport::failed(CudaIpcTransfer& t, const Error& error) {
   if (t.finished()) return;
   transfers_.finish(t, error);
-  if (t.link != nullptr) t.link->send_done(t.id(), t, &error);
+  tell_end(t, &error);
 }
+
+std::string CudaIpcTransport::serve_region(const RegionExposure& region, RegionObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  listener_->serve_region(region, observer);
+  return listener_->info();
+}
+
+void CudaIpcTransport::revoke_attachment(std::uint64_t attachment, const Error& reason) {
+  listener_->revoke_attachment(attachment, reason);
+}
+
+void CudaIpcTransport::end_region(std::uint64_t id, const Error& reason) {
+  listener_->end_region(id, reason);
+}
+
+std::unique_ptr<RemoteRegion> CudaIpcTransport::attach(AttachSpec spec, AttachObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  (void)same_host::parse_endpoint(spec.endpoint);  // bad metadata: thrown
+  return regions_.attach(
+      *this, ctx_.defer, links_,
+      [this](const AttachSpec& s) -> same_host::Link& { return link_to(s.endpoint, s.peer_name); },
+      std::move(spec), observer);
+}
+
+std::unique_ptr<Transfer> CudaIpcTransport::start_attached(Attached& region, TransferSpec spec,
+                                                           TransferObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  auto handle = transfers_.make(std::move(spec), observer);
+  auto* t = &handle->get();
+  if (region.link == nullptr) {
+    transfers_.finish(*t, Error(ErrorCode::PeerLost, "the attachment's connection is gone"));
+    return handle;
+  }
+  // Granted already: the attachment's grant and handles cover every transfer on it.
+  t->link = region.link;
+  t->owner = t->link->owner();
+  t->link->attach(t->id());
+  links_.used(t->link);
+  t->claimed = true;
+  t->grant = region.attach.grant;
+  t->secret = region.attach.secret;
+  t->payload = region.attach.payload;
+  begin_copies(*t);
+  return handle;
+}
+
+void CudaIpcTransport::forget_region(Attached& region) { regions_.forget(region, links_, closed_); }
 
 }  // namespace ferry::transport::cuda_ipc

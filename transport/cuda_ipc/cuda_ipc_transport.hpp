@@ -17,6 +17,7 @@
 #include "transport/kit/transfers.hpp"
 #include "transport/same_host/link.hpp"
 #include "transport/same_host/listener.hpp"
+#include "transport/same_host/remote_region.hpp"
 #include "transport/transport.hpp"
 
 namespace ferry::transport::cuda {
@@ -74,7 +75,16 @@ class CudaIpcTransport final : public Transport,
   std::optional<Error> unreachable(const Endpoint& endpoint) const override;
   void close() override;
 
+  bool serves_regions() const override { return true; }
+  std::string serve_region(const RegionExposure& region, RegionObserver& observer) override;
+  void revoke_attachment(std::uint64_t attachment, const Error& reason) override;
+  void end_region(std::uint64_t id, const Error& reason) override;
+  std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer) override;
+
  private:
+  friend class same_host::RemoteRegion<CudaIpcTransport>;
+  using Attached = same_host::RemoteRegion<CudaIpcTransport>;
+
   // kit::TransferHooks
   void stop(CudaIpcTransfer& t) override;
   void tell_peer(CudaIpcTransfer& t, const Error& reason) override;
@@ -85,8 +95,23 @@ class CudaIpcTransport final : public Transport,
   void granted(std::uint64_t id, const Token& secret) override;
   void ended(std::uint64_t id, std::optional<Error> error, bool setup) override;
   void link_closed(same_host::Link& link) override;
+  same_host::RegionAttach* attaching(std::uint64_t key) override { return regions_.attaching(key); }
+  void region_attached(std::uint64_t key) override { regions_.attached(key); }
+  void region_ended(std::uint64_t key, const Error& error, bool setup) override {
+    regions_.ended(key, error, setup);
+  }
 
-  same_host::Link& link_to(const TransferSpec& spec);
+  same_host::Link& link_to(const Endpoint& endpoint, const std::string& peer_name);
+  /// A transfer on `region`'s attachment: its grant and the owner's handles are the
+  /// attachment's; copies start at once.
+  std::unique_ptr<Transfer> start_attached(Attached& region, TransferSpec spec,
+                                           TransferObserver& observer);
+  void forget_region(Attached& region);
+  /// Opens the owner's memory the transfer's payload (CLAIMED's or ATTACHED's) names, then
+  /// copies.
+  void begin_copies(CudaIpcTransfer& t);
+  /// Tells the owner that `t` ended (DONE, or ENDED for a transfer on an attachment).
+  void tell_end(CudaIpcTransfer& t, const Error* error);
   void failed(CudaIpcTransfer& t, const Error& error);
   /// The owner's allocations, for CLAIMED's payload; throws Error(Unsupported).
   std::vector<std::byte> handles_of(const Exposure& exposure);
@@ -105,6 +130,7 @@ class CudaIpcTransport final : public Transport,
   std::unique_ptr<cuda::CopyEngine> engine_;  ///< made on the first copy
   kit::LinkPool<same_host::Link> links_;
   std::uint64_t next_link_ = 1;
+  same_host::RemoteRegions<CudaIpcTransport> regions_;
   kit::TransferTable<CudaIpcTransfer> transfers_;
 };
 

@@ -376,11 +376,11 @@ void Link::on_status(const FrameHeader& h, const std::string& message) {
   std::optional<Request> r = pending_.take(h.req_id, conn_->id());
   if (r && r->kind == Kind::attach) {
     if (h.status == 0 || client_.attaching(r->transfer) == nullptr) return;
-    client_.region_ended(r->transfer,
-                         Error(wire::from_wire(h.status), "peer " + conn_->describe_peer() +
-                                                              " refused: " +
-                                                              wire::reason_of(h.status, message)),
-                         false);
+    client_.region_ended(
+        r->transfer,
+        Error(wire::from_wire(h.status),
+              "peer " + conn_->describe_peer() + " refused: " + wire::reason_of(h.status, message)),
+        false);
     return;
   }
   if (!r || client_.claimant(r->transfer) == nullptr) return;

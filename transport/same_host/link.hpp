@@ -30,9 +30,7 @@ struct OwnerProcess {
   OwnerProcess() = default;
   OwnerProcess(const OwnerProcess&) = delete;
   OwnerProcess& operator=(const OwnerProcess&) = delete;
-  ~OwnerProcess() {
-    close_fetched(pidfd);
-  }
+  ~OwnerProcess() { close_fetched(pidfd); }
 };
 
 /// What a same-host transfer has of the claim exchange.

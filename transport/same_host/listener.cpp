@@ -85,8 +85,7 @@ void Listener::close() {
   regions_.clear();
   exposures_.clear();
   conns_.clear([](StreamConnection& c) { c.close_gracefully(); });
-  for (auto& [id, p] : peers_)
-    close_fetched(p.pidfd);
+  for (auto& [id, p] : peers_) close_fetched(p.pidfd);
   peers_.clear();
 }
 
