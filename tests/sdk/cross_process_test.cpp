@@ -95,6 +95,77 @@ INSTANTIATE_TEST_SUITE_P(AllPairings, CrossProcessTest,
                                   std::to_string(std::get<1>(p.param));
                          });
 
+// Regions (docs/regions.md) between two processes, by the best method both offer (cma here).
+TEST(CrossProcessRegion, WeAttachToTheChildsRegionReadAndWriteAndItHearsOfEach) {
+  Connector us(test::named("parent"));
+  ChildProcess child(peer_command({"child"}));
+  constexpr std::size_t kSize = 1u << 20;
+  child.send_line("region " + std::to_string(kSize) + " 31");
+  auto meta = RegionMetadata::from_json(expect_prefix(child.read_line(), "META "));
+  auto att = us.attach(meta);
+  auto dst = test::buffer(kSize);
+  auto read = att.read({{0, kSize}}, {Descriptor(dst.data(), kSize)});
+  ASSERT_TRUE(read.wait_for_completion(60s));
+  EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 31), -1);
+  auto src = test::patterned(8192, 32);
+  TransferOptions t;
+  t.tag = "request-7";
+  auto write = att.write_blocks({Descriptor(src.data(), src.size())}, {3, 4}, t);
+  ASSERT_TRUE(write.wait_for_completion(60s));
+  for (const auto& m : us.methods())
+    if (m.method == "cma" && m.available) {
+      EXPECT_EQ(att.method(), "cma");
+    }
+  child.send_line("region_event");
+  EXPECT_EQ(child.read_line(60s).rfind("EVENT attached", 0), 0u);
+  child.send_line("region_event");
+  EXPECT_EQ(child.read_line(60s), "EVENT transfer read - 0 1048576 complete");
+  child.send_line("region_event");
+  EXPECT_EQ(child.read_line(60s), "EVENT transfer write request-7 12288 8192 complete");
+  child.send_line("region_check 32 12288 8192");
+  EXPECT_EQ(child.read_line(60s), "CHECK ok");
+  child.send_line("quit");
+  int status = child.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+}
+
+TEST(CrossProcessRegion, TheChildAttachesToOursAndWeHearTheTagOnceTheBytesAreIn) {
+  Connector us(test::named("parent"));
+  constexpr std::size_t kSize = 1u << 20;
+  auto pool = test::patterned(kSize, 41);
+  RegionOptions ro;
+  ro.access = RegionAccess::read_write;
+  auto region = us.create_region({Descriptor(pool.data(), kSize)}, ro);
+  ChildProcess child(peer_command({"child"}));
+  const std::string json = region.metadata().to_json();
+  child.send_line("region_read 41 4096 65536 " + json);
+  EXPECT_EQ(child.read_line(60s), "DONE complete");
+  child.send_line("region_write 42 100000 5000 r-99 " + json);
+  EXPECT_EQ(child.read_line(60s), "DONE complete");
+  std::vector<RegionEvent> events;
+  while (events.size() < 3) {
+    auto e = region.next_event(10s);
+    ASSERT_TRUE(e);
+    events.push_back(*e);
+  }
+  EXPECT_EQ(events[0].type, RegionEvent::Type::attached);
+  EXPECT_NE(events[0].peer.find("child"), std::string::npos) << events[0].peer;
+  EXPECT_EQ(events[1].kind, OperationKind::read);
+  EXPECT_EQ(events[2].kind, OperationKind::write);
+  EXPECT_EQ(events[2].tag, "r-99");
+  ASSERT_EQ(events[2].ranges.size(), 1u);
+  EXPECT_EQ(events[2].ranges[0], (RegionRange{100000, 5000}));
+  // The event came after the bytes: they are in.
+  EXPECT_EQ(test::first_mismatch(pool.data() + 100000, 5000, 42), -1);
+  child.send_line("quit");
+  int status = child.wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  // The child's attachment ended with it.
+  auto gone = region.next_event(10s);
+  ASSERT_TRUE(gone);
+  EXPECT_EQ(gone->type, RegionEvent::Type::detached);
+}
+
 // Large enough that the transfer cannot finish between noticing it started and stopping the
 // child; the child is frozen (SIGSTOP) first, so it is surely mid-transfer when killed.
 constexpr std::size_t kBig = std::size_t{512} << 20;

@@ -27,6 +27,16 @@
 //                                             libuv's pool gets EPERM from CALL
 //                                             (process_vm_readv or process_vm_writev; a seccomp
 //                                             filter per thread), the loop thread does not
+//   region SIZE SEED      -> META <region json>  a read_write region (docs/regions.md) over SIZE
+//                                             bytes patterned with SEED, blocks of 4096 bytes
+//   region_event          -> EVENT <type> <kind> <tag> <offset> <length> <status>
+//                                             the region's next event (within 60 s; "EVENT none")
+//   region_check SEED OFFSET LEN -> CHECK ok | CHECK mismatch <offset>   LEN bytes of the
+//                                             region at OFFSET hold SEED's pattern from 0
+//   region_read SEED OFFSET LEN <json>  -> DONE ...  attach (once per region) and read LEN
+//                                             bytes at OFFSET, verify SEED's pattern from OFFSET
+//   region_write SEED OFFSET LEN TAG <json> -> DONE ...  attach (once) and write LEN bytes of
+//                                             SEED's pattern at OFFSET, tagged TAG
 //   quit                  -> (exits 0)
 //
 // The NATS side channel comes from the environment (FERRY_NATS_URL).
@@ -49,6 +59,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -179,6 +190,10 @@ int main(int argc, char** argv) {
   std::unique_ptr<std::byte[]> active_mem;
   std::unique_ptr<test::Scattered> active_sg;
   Operation active;
+  // Regions: one served, and attachments by region id.
+  std::unique_ptr<std::byte[]> region_mem;
+  Region region;
+  std::map<std::string, Attachment> attachments;
 
   std::string line;
   while (std::getline(std::cin, line)) {
@@ -383,6 +398,65 @@ int main(int argc, char** argv) {
         } catch (const std::exception& e) {
           say(std::string("ERROR ") + e.what());
         }
+      } else if (cmd == "region") {
+        std::size_t size = 0;
+        std::uint64_t seed = 0;
+        in >> size >> seed;
+        region_mem = make_buffer(size);
+        test::fill_pattern(region_mem.get(), size, seed);
+        RegionOptions ro;
+        ro.access = RegionAccess::read_write;
+        ro.block_size = size % 4096 == 0 ? 4096 : 0;
+        region = connector.create_region({Descriptor(region_mem.get(), size)}, ro);
+        say("META " + region.metadata().to_json());
+      } else if (cmd == "region_event") {
+        auto e = region.next_event(std::chrono::seconds(60));
+        if (!e) {
+          say("EVENT none");
+          continue;
+        }
+        static const char* types[] = {"attached", "transfer", "detached", "ended"};
+        const RegionRange r = e->ranges.empty() ? RegionRange{} : e->ranges.front();
+        say(std::string("EVENT ") + types[static_cast<int>(e->type)] + " " +
+            std::string(to_string(e->kind)) + " " + (e->tag.empty() ? "-" : e->tag) + " " +
+            std::to_string(r.offset) + " " + std::to_string(r.length) + " " +
+            std::string(to_string(e->status)));
+      } else if (cmd == "region_check") {
+        std::uint64_t seed = 0, offset = 0, len = 0;
+        in >> seed >> offset >> len;
+        long long bad = test::first_mismatch(region_mem.get() + offset, len, seed);
+        say(bad < 0 ? "CHECK ok" : "CHECK mismatch " + std::to_string(bad));
+      } else if (cmd == "region_read" || cmd == "region_write") {
+        std::uint64_t seed = 0, offset = 0, len = 0;
+        std::string tag, json;
+        in >> seed >> offset >> len;
+        if (cmd == "region_write") in >> tag;
+        std::getline(in >> std::ws, json);
+        RegionMetadata meta = RegionMetadata::from_json(json);
+        auto it = attachments.find(meta.region_id);
+        if (it == attachments.end())
+          it = attachments.emplace(meta.region_id, connector.attach(meta)).first;
+        active_mem = make_buffer(len);
+        TransferOptions t;
+        t.tag = tag;
+        if (cmd == "region_write") {
+          test::fill_pattern(active_mem.get(), len, seed);
+          active = it->second.write({Descriptor(active_mem.get(), len)}, {{offset, len}}, t);
+        } else {
+          active = it->second.read({{offset, len}}, {Descriptor(active_mem.get(), len)});
+        }
+        try {
+          active.wait_for_completion();
+        } catch (const Error&) {
+        }
+        if (cmd == "region_read" && active.status() == OperationStatus::complete) {
+          long long bad = test::first_mismatch(active_mem.get(), len, seed, offset);
+          if (bad >= 0) {
+            say("DONE corrupt " + std::to_string(bad));
+            continue;
+          }
+        }
+        say(describe(active));
       } else if (cmd == "quit") {
         return 0;
       } else {
