@@ -4,6 +4,7 @@
 //                          64-byte request, answered with SIZE bytes received into the
 //                          destination; one connection, reused
 //   Memcpy                 one copy of SIZE bytes
+//   RawProcessVmReadv      one process_vm_readv of SIZE bytes from this process
 //   FerryRead / FerryWrite a whole operation each iteration: create the passive side, begin
 //                          the active side, wait for both to complete; once per method, both
 //                          connectors restricted to it: FerryRead/tcp/SIZE, FerryRead/cma/SIZE
@@ -29,6 +30,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -105,6 +107,24 @@ void RawTcpRequestResponse(benchmark::State& state) {
   ::close(fd);
   server.join();
   ::close(listener);
+  set_bytes(state);
+}
+
+// One process_vm_readv of SIZE bytes from this process: what cma's copy costs without ferry
+// (the ferry cma rows also run between two connectors of one process).
+void RawProcessVmReadv(benchmark::State& state) {
+  const auto size = static_cast<std::size_t>(state.range(0));
+  std::vector<char> src(size, 'x');
+  std::vector<char> dst(size);
+  for (auto _ : state) {
+    iovec local{dst.data(), size};
+    iovec remote{src.data(), size};
+    if (::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) != static_cast<ssize_t>(size)) {
+      state.SkipWithError("process_vm_readv failed");
+      break;
+    }
+    benchmark::ClobberMemory();
+  }
   set_bytes(state);
 }
 
@@ -377,6 +397,7 @@ void KvBlocks(benchmark::State& state, const std::string& method) { Kv(state, me
 
 BENCHMARK(RawTcpRequestResponse)->Apply(add_sizes);
 BENCHMARK(Memcpy)->Apply(add_sizes);
+BENCHMARK(RawProcessVmReadv)->Apply(add_sizes);
 BENCHMARK_CAPTURE(FerryRead, tcp, std::string("tcp"))->Apply(add_sizes);
 BENCHMARK_CAPTURE(FerryRead, cma, std::string("cma"))->Apply(add_sizes);
 BENCHMARK_CAPTURE(FerryWrite, tcp, std::string("tcp"))->Apply(add_sizes);
