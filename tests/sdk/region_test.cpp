@@ -12,9 +12,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include "build_config.hpp"
 #include "tests/support/nats_server.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/util.hpp"
+#if FERRY_HAS_VERBS
+#include "sdk/src/transport_registry.hpp"
+#include "tests/support/sim_verbs.hpp"
+#include "tests/support/simverbs/simverbs.hpp"
+#endif
 
 namespace ferry {
 namespace {
@@ -27,10 +33,16 @@ constexpr auto kWait = std::chrono::seconds(60);
 constexpr std::size_t kBlock = 4096;
 constexpr std::size_t kBlocks = 64;
 
-// Every test runs once per method that serves regions, both connectors restricted to it.
+// Every test runs once per method that serves regions, both connectors restricted to it
+// (verbs on the simulated fabric; cuda_ipc, which moves CUDA memory only, in cuda_ipc_test).
 class RegionTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+#if FERRY_HAS_VERBS
+    if (GetParam() == "verbs") test::use_simulated_verbs();
+#else
+    if (GetParam() == "verbs") GTEST_SKIP() << "this ferry was built without verbs";
+#endif
     for (const MethodInfo& m : probe_methods(options("probe")))
       if (m.method == GetParam() && !m.available) GTEST_SKIP() << m.method << ": " << m.detail;
   }
@@ -39,9 +51,23 @@ class RegionTest : public ::testing::TestWithParam<std::string> {
     o.transports = {GetParam()};
     return o;
   }
+#if FERRY_HAS_VERBS
+  void TearDown() override {
+    if (fabric_) test::simverbs::configure(*fabric_);
+  }
+  std::optional<test::simverbs::Config> fabric_;  ///< as it was before slow() changed it
+#endif
   // A transfer slowed to one small request (copy) at a time, so that a test can act
-  // mid-transfer.
-  ConnectorOptions slow(std::string name) const {
+  // mid-transfer. (verbs: the simulated NIC sends 800 Mbit/s, until the test ends.)
+  ConnectorOptions slow(std::string name) {
+#if FERRY_HAS_VERBS
+    if (GetParam() == "verbs" && !fabric_) {
+      fabric_ = test::simverbs::current_config();
+      auto slower = *fabric_;
+      slower.rate_mbps = 800;
+      test::simverbs::configure(slower);
+    }
+#endif
     ConnectorOptions o = options(std::move(name));
     o.tcp.chunk_size = 4096;
     o.tcp.window = 4096;
@@ -530,10 +556,54 @@ TEST_P(RegionPair, AnEventCallbackRunsOnTheLoopInOrder) {
   EXPECT_FALSE(region.next_event());  // queue_events off
 }
 
+#if FERRY_HAS_VERBS
+// verbs on a device without memory windows: each attachment gets registrations of its own,
+// and revoking it deregisters them (its keys die; the other attachment's live on).
+TEST(RegionVerbsWithoutWindows, RevokingOnePeerDeregistersItsKeysAlone) {
+  test::use_simulated_verbs();
+  const auto before = test::simverbs::current_config();
+  auto no_mw = before;
+  no_mw.mw = false;
+  test::simverbs::configure(no_mw);
+  {
+    ConnectorOptions o = test::named("owner");
+    o.transports = {"verbs"};
+    Connector owner(o);
+    o.name = "a";
+    Connector a(o);
+    o.name = "b";
+    Connector b(o);
+    auto pool = buffer(kBlock * 8);
+    RegionOptions ro;
+    ro.access = RegionAccess::write;
+    ro.block_size = kBlock;
+    auto region = owner.create_region({Descriptor(pool.data(), pool.size())}, ro);
+    auto att_a = a.attach(region.metadata());
+    auto att_b = b.attach(region.metadata());
+    auto src = patterned(kBlock, 3);
+    att_a.write_blocks({Descriptor(src.data(), kBlock)}, {0}).wait_for_completion();
+    att_b.write_blocks({Descriptor(src.data(), kBlock)}, {1}).wait_for_completion();
+    EXPECT_EQ(att_a.method(), "verbs");
+    EXPECT_EQ(region.revoke(a.identity().id), 1u);
+    std::memset(pool.data() + 2 * kBlock, 0, kBlock);
+    ASSERT_TRUE(eventually([&] { return att_a.state() == Attachment::State::detached; }));
+    auto late = att_a.write_blocks({Descriptor(src.data(), kBlock)}, {2});
+    (void)test::ended_with(late);  // fails the test if it completed
+    EXPECT_EQ(test::first_not(pool.data() + 2 * kBlock, kBlock, std::byte{0}), -1);
+    att_b.write_blocks({Descriptor(src.data(), kBlock)}, {3}).wait_for_completion();
+    EXPECT_EQ(first_mismatch(pool.data() + 3 * kBlock, kBlock, 3), -1);
+  }
+  test::simverbs::configure(before);
+  detail::remove_method("verbs");
+}
+#endif
+
 std::string method_name(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
 
-INSTANTIATE_TEST_SUITE_P(Methods, RegionTest, ::testing::Values("tcp", "cma"), method_name);
-INSTANTIATE_TEST_SUITE_P(Methods, RegionPair, ::testing::Values("tcp", "cma"), method_name);
+INSTANTIATE_TEST_SUITE_P(Methods, RegionTest, ::testing::Values("tcp", "cma", "verbs"),
+                         method_name);
+INSTANTIATE_TEST_SUITE_P(Methods, RegionPair, ::testing::Values("tcp", "cma", "verbs"),
+                         method_name);
 
 }  // namespace
 }  // namespace ferry

@@ -15,19 +15,16 @@ bool range_inside(const Region& region, std::uint64_t addr, std::uint64_t len) n
   return addr >= base && len <= region.size && addr - base <= region.size - len;
 }
 
-ExposureTable::Entry& ExposureTable::add(const Exposure& exposure, ExposureObserver& observer) {
-  Entry entry;
-  entry.exposure = exposure;
-  entry.observer = &observer;
+std::vector<Region> ExposureTable::merged(std::vector<Region> sorted) {
   // Merging makes the check independent of how the caller cut its memory: a descriptor
   // nested in another, or two that touch, grant exactly the bytes they cover together.
-  std::vector<Region> sorted = exposure.regions;
   std::sort(sorted.begin(), sorted.end(),
             [](const Region& a, const Region& b) { return a.ptr < b.ptr; });
   auto start = [](const Region& r) { return reinterpret_cast<std::uint64_t>(r.ptr); };
+  std::vector<Region> spans;
   for (const Region& r : sorted) {
-    if (!entry.spans.empty()) {
-      Region& last = entry.spans.back();
+    if (!spans.empty()) {
+      Region& last = spans.back();
       // Regions are real local memory, so start + size does not wrap.
       const std::uint64_t last_end = start(last) + last.size;
       if (start(r) <= last_end) {
@@ -36,8 +33,16 @@ ExposureTable::Entry& ExposureTable::add(const Exposure& exposure, ExposureObser
         continue;
       }
     }
-    entry.spans.push_back(r);
+    spans.push_back(r);
   }
+  return spans;
+}
+
+ExposureTable::Entry& ExposureTable::add(const Exposure& exposure, ExposureObserver& observer) {
+  Entry entry;
+  entry.exposure = exposure;
+  entry.observer = &observer;
+  entry.spans = merged(exposure.regions);
   auto [it, inserted] = entries_.emplace(exposure.id, std::move(entry));
   if (!inserted) throw Error(ErrorCode::Internal, "exposure id already in use");
   return it->second;

@@ -38,6 +38,9 @@ class ExposureTable {
 
   /// Throws Error(Internal) if the id is taken.
   Entry& add(const Exposure& exposure, ExposureObserver& observer);
+  /// `regions` merged where they overlap or touch, sorted by address, disjoint: what an
+  /// entry's spans are.
+  static std::vector<Region> merged(std::vector<Region> regions);
   /// False if unknown.
   bool remove(std::uint64_t id);
   Entry* find(std::uint64_t id);

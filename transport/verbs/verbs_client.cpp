@@ -99,6 +99,10 @@ bool VerbsClient::busy() const {
 void VerbsClient::connected(Conn& conn, const std::vector<std::uint64_t>& waiting) {
   for (std::uint64_t tid : waiting)
     if (VerbsTransfer* t = transfers_.find(tid); t != nullptr && !t->finished()) begin(*t);
+  std::vector<VerbsRemoteRegion*> attaching;
+  for (auto& [key, region] : regions_)
+    if (region->conn == conn.id && !region->sent) attaching.push_back(region);
+  for (VerbsRemoteRegion* region : attaching) send_attach(conn, *region);
   pump(conn);
 }
 
@@ -123,7 +127,7 @@ void VerbsClient::begin(VerbsTransfer& t) {
 wire::Sink VerbsClient::receive_claimed(Conn& conn, const FrameHeader& h) {
   // Answers count only from the connection the request went out on.
   const Pending* p = pending_.find(h.req_id, conn.id);
-  if (p == nullptr || p->done) return {};
+  if (p == nullptr || p->done || (h.type == FrameType::attached) != (p->region != 0)) return {};
   conn.payload.assign(h.len, '\0');
   wire::Sink sink;
   sink.dest = reinterpret_cast<std::byte*>(conn.payload.data());
@@ -133,6 +137,19 @@ wire::Sink VerbsClient::receive_claimed(Conn& conn, const FrameHeader& h) {
 void VerbsClient::on_reply(Conn& conn, const FrameHeader& h, std::string msg, std::string payload) {
   std::optional<Pending> p = pending_.take(h.req_id, conn.id);
   if (!p) return;
+  if (p->region != 0) {
+    if (auto it = regions_.find(p->region); it != regions_.end())
+      attach_answered(conn, *it->second, h, msg, payload);
+    else if (h.type == FrameType::attached && conn.state == Conn::State::up) {
+      // Detached while its ATTACH was on the way: the owner made the attachment for us.
+      FrameHeader d;
+      d.type = FrameType::detach;
+      d.op_id = h.op_id;
+      d.token = h.token;
+      conn.send_ctl(d, {});
+    }
+    return;
+  }
   VerbsTransfer* t = transfers_.find(p->transfer);
   if (t == nullptr || t->finished()) {
     // The transfer was cancelled while its claim was on the way: the owner holds the claim
@@ -170,8 +187,16 @@ void VerbsClient::on_reply(Conn& conn, const FrameHeader& h, std::string msg, st
 }
 
 void VerbsClient::on_notice(Conn& conn, const FrameHeader& h, const std::string& msg) {
-  // The owner ended an operation: the transfer toward it ends with the owner's reason once
-  // none of its work requests is outstanding (those under way meet a dead key).
+  // The owner ended an operation (or an attachment): the transfers toward it end with the
+  // owner's reason once none of their work requests is outstanding (those under way meet a
+  // dead key).
+  std::vector<VerbsRemoteRegion*> ended;
+  for (auto& [key, region] : regions_)
+    if (region->conn == conn.id && region->attachment == h.op_id) ended.push_back(region);
+  for (VerbsRemoteRegion* region : ended)
+    region->on_ended(Error(wire::from_wire(h.status),
+                           "peer '" + region->spec().peer_name +
+                               "' ended the operation: " + wire::reason_of(h.status, msg)));
   std::vector<VerbsTransfer*> now;
   for (VerbsTransfer* t : transfers_.all()) {
     if (t->conn != conn.id || t->finished() || t->spec.remote_id != h.op_id) continue;
@@ -318,6 +343,13 @@ void VerbsClient::maybe_done(Conn& conn, VerbsTransfer& t) {
   // Every byte is in place (read: staged chunks copied to the device too) or placed before DONE
   // reaches the owner (write).
   t.done_sent = true;
+  if (t.spec.region_tag) {
+    // On an attachment: the work requests' completions say the bytes are in place (a write's
+    // were acknowledged by the owner's NIC); the owner's ENDED, a SEND behind them, is a notice.
+    send_ended(conn, t, std::nullopt);
+    transfers_.finish(t, std::nullopt);
+    return;
+  }
   const Pending done{t.id(), true, t.spec.remote_id, t.spec.token, t.spec.access};
   send_done(conn, done, std::nullopt, pending_.add(conn.id, done));
 }
@@ -336,6 +368,15 @@ void VerbsClient::send_done(Conn& conn, const Pending& what, const std::optional
 
 void VerbsClient::conn_lost(Conn& conn, ErrorCode code, const std::string& why, bool was_up,
                             bool setup) {
+  std::vector<VerbsRemoteRegion*> regions;
+  for (auto& [key, region] : regions_)
+    if (region->conn == conn.id) regions.push_back(region);
+  for (VerbsRemoteRegion* region : regions) {
+    region->conn = 0;
+    region->on_lost(Error(code, "verbs connection to peer '" + region->spec().peer_name + "' at " +
+                                    region->spec().endpoint.address + " failed: " + why),
+                    /*setup=*/setup || (!region->attached() && !was_up));
+  }
   // Every transfer on it fails; those still waiting for it failed at set-up.
   std::vector<std::uint64_t> hit = conn.waiting;
   for (VerbsTransfer* t : transfers_.all())
@@ -362,7 +403,10 @@ void VerbsClient::failed(VerbsTransfer& t, const Error& error) {
   if (t.finished()) return;
   transfers_.finish(t, error);
   Conn* conn = t_.conn_of(t.conn);
-  if (conn != nullptr && conn->state == Conn::State::up && t.secret)
+  if (conn == nullptr || conn->state != Conn::State::up || !t.secret) return;
+  if (t.spec.region_tag)
+    send_ended(*conn, t, error);
+  else
     send_done(*conn, Pending{t.id(), false, t.spec.remote_id, t.spec.token, t.spec.access}, error);
 }
 
@@ -407,6 +451,10 @@ void VerbsClient::tell_peer(VerbsTransfer& t, const Error& reason) {
     return ours;
   });
   if (!t.secret && !claiming) return;  // nothing claimed: nothing to end
+  if (t.spec.region_tag) {
+    send_ended(*conn, t, reason);
+    return;
+  }
   send_done(*conn, Pending{t.id(), false, t.spec.remote_id, t.spec.token, t.spec.access}, reason);
 }
 
@@ -428,6 +476,138 @@ void VerbsClient::settle(VerbsTransfer& t) {
   t.postable.clear();
   t.waiting_chunk = false;
   if (stager_) stager_->drop(t.id());
+}
+
+// ---- Regions ---------------------------------------------------------------------------
+
+VerbsRemoteRegion::~VerbsRemoteRegion() { client_.forget_region(*this); }
+
+std::unique_ptr<Transfer> VerbsRemoteRegion::start(TransferSpec spec, TransferObserver& observer) {
+  check_attached();
+  spec.remote_id = attachment;
+  spec.token = secret;
+  spec.endpoint = this->spec().endpoint;
+  spec.peer_name = this->spec().peer_name;
+  if (!spec.region_tag) spec.region_tag = std::string();
+  return client_.start_attached(*this, std::move(spec), observer);
+}
+
+std::unique_ptr<RemoteRegion> VerbsClient::attach(AttachSpec spec, AttachObserver& observer) {
+  // An endpoint that does not parse is bad metadata: thrown, not a set-up failure.
+  const wire::SocketAddress dst = wire::endpoint_address(spec.endpoint);
+  const std::uint64_t key = next_region_++;
+  auto region =
+      std::make_unique<VerbsRemoteRegion>(*this, t_.ctx_.defer, key, std::move(spec), observer);
+  regions_[key] = region.get();
+  std::shared_ptr<Conn> conn;
+  try {
+    conn = t_.link_to(dst);
+  } catch (const Error& e) {
+    region->on_lost(Error(ErrorCode::PeerLost,
+                          "verbs cannot reach peer '" + region->spec().peer_name + "' at " +
+                              region->spec().endpoint.address + ": " + e.message()),
+                    /*setup=*/true);
+    return region;
+  }
+  region->conn = conn->id;
+  if (conn->state == Conn::State::up) send_attach(*conn, *region);
+  return region;
+}
+
+void VerbsClient::send_attach(Conn& conn, VerbsRemoteRegion& region) {
+  region.sent = true;
+  Pending p;
+  p.region = region.key;
+  p.op = region.spec().region;
+  FrameHeader h;
+  h.type = FrameType::attach;
+  h.req_id = pending_.add(conn.id, p);
+  h.op_id = region.spec().region;
+  h.token = region.spec().token;
+  h.flags = static_cast<std::uint16_t>(region.spec().access);
+  conn.send_ctl(h, {});
+}
+
+void VerbsClient::attach_answered(Conn& conn, VerbsRemoteRegion& region, const FrameHeader& h,
+                                  const std::string& msg, const std::string& payload) {
+  const std::string who = "peer '" + region.spec().peer_name + "'";
+  if (h.type == FrameType::status) {
+    region.on_refused(Error(h.status == 0 ? ErrorCode::ProtocolError : wire::from_wire(h.status),
+                            who + " refused: " + wire::reason_of(h.status, msg)));
+    return;
+  }
+  if (payload.empty() || payload.size() % 24 != 0) {
+    region.on_refused(Error(ErrorCode::ProtocolError, who + " answered ATTACH with no keys"));
+    return;
+  }
+  region.attachment = h.op_id;
+  region.secret = h.token;
+  region.windows.resize(payload.size() / 24);
+  for (std::size_t i = 0; i < region.windows.size(); ++i) {
+    std::memcpy(&region.windows[i].addr, payload.data() + i * 24, 8);
+    std::memcpy(&region.windows[i].len, payload.data() + i * 24 + 8, 8);
+    std::memcpy(&region.windows[i].rkey, payload.data() + i * 24 + 16, 4);
+  }
+  std::sort(region.windows.begin(), region.windows.end(),
+            [](const Window& a, const Window& b) { return a.addr < b.addr; });
+  (void)conn;
+  region.on_attach();
+}
+
+std::unique_ptr<Transfer> VerbsClient::start_attached(VerbsRemoteRegion& region, TransferSpec spec,
+                                                      TransferObserver& observer) {
+  auto handle = transfers_.make(std::move(spec), observer);
+  auto* t = &handle->get();
+  Conn* conn = region.conn == 0 ? nullptr : t_.conn_of(region.conn);
+  if (conn == nullptr || conn->state != Conn::State::up) {
+    transfers_.finish(*t, Error(ErrorCode::PeerLost, "the attachment's connection is gone"));
+    return handle;
+  }
+  try {
+    for (const Segment& s : t->spec.segments) {
+      const MemoryKind kind = s.cuda_device >= 0 ? MemoryKind::cuda : MemoryKind::host;
+      t->regs.push_back(s.len == 0 ? nullptr : t_.acquire({s.local, s.len, kind, s.cuda_device}));
+    }
+  } catch (const Error& e) {
+    transfers_.finish(*t, e);
+    return handle;
+  }
+  // Keyed already: the attachment's keys cover every transfer on it.
+  t->conn = conn->id;
+  t->secret = region.secret;
+  t->windows = region.windows;
+  if (t->total == 0) {
+    t->all_posted = true;
+    maybe_done(*conn, *t);
+    return handle;
+  }
+  conn->ready.push_back(t->id());
+  pump(*conn);
+  return handle;
+}
+
+void VerbsClient::send_ended(Conn& conn, const VerbsTransfer& t,
+                             const std::optional<Error>& error) {
+  FrameHeader h;
+  h.type = FrameType::ended;
+  h.op_id = t.spec.remote_id;
+  h.token = t.spec.token;
+  h.flags = static_cast<std::uint16_t>(t.spec.access);
+  if (error) h.status = wire::to_wire(error->code());
+  const std::vector<std::byte> ranges = kit::claim_payload(t.spec.segments);
+  conn.send_ctl(h, *t.spec.region_tag,
+                std::string_view(reinterpret_cast<const char*>(ranges.data()), ranges.size()));
+}
+
+void VerbsClient::forget_region(VerbsRemoteRegion& region) {
+  regions_.erase(region.key);
+  Conn* conn = region.conn == 0 ? nullptr : t_.conn_of(region.conn);
+  if (conn == nullptr || conn->state != Conn::State::up || !region.attached()) return;
+  FrameHeader h;
+  h.type = FrameType::detach;
+  h.op_id = region.attachment;
+  h.token = region.secret;
+  conn->send_ctl(h, {});
 }
 
 }  // namespace ferry::transport::verbs

@@ -135,6 +135,7 @@ class Conn final : private wire::FrameReader::Handler {
   std::deque<std::uint64_t> ready;     ///< transfers with data work requests to post
   std::vector<std::uint64_t> waiting;  ///< transfers waiting for the connection to be up
   std::string payload;                 ///< a control message's payload being received
+  std::string tag;                     ///< an ENDED's tag, while its ranges arrive
 
  private:
   // wire::FrameReader::Handler

@@ -23,7 +23,8 @@ void* id_ptr(std::uint64_t id) { return reinterpret_cast<void*>(static_cast<std:
 
 VerbsServer::VerbsServer(VerbsTransport& t, Defer defer)
     : t_(t),
-      exposures_("verbs", std::move(defer)),
+      exposures_("verbs", defer),
+      regions_("verbs", exposures_, defer),
       admission_(t.ctx_.loop, t.ctx_.listener, [this](std::uint64_t id, const std::string& why) {
         // Unclaimed for too long, or making room: the peer's connection goes.
         if (Conn* conn = t_.conn_of(id)) t_.fail_conn(*conn, ErrorCode::AccessDenied, why);
@@ -34,6 +35,8 @@ void VerbsServer::close() {
   std::vector<std::uint64_t> ids;
   for (auto& [id, s] : served_) ids.push_back(id);
   for (std::uint64_t id : ids) end_served(id);
+  region_served_.clear();
+  regions_.clear();
   exposures_.clear();
 }
 
@@ -88,34 +91,39 @@ rdma_cm_id* VerbsServer::connect_request(rdma_cm_event& ev) {
   return nullptr;
 }
 
+void VerbsServer::register_spans(Served& served, Access access, bool cached, bool own) {
+  for (const Region& span : served.spans) {
+    // A span of CUDA memory may join touching allocations: a registration for each.
+    const auto end = reinterpret_cast<std::uint64_t>(span.ptr) + span.size;
+    for (std::uint64_t at = reinterpret_cast<std::uint64_t>(span.ptr); cached && at < end;) {
+      auto reg = t_.acquire(
+          Region{reinterpret_cast<std::byte*>(at), end - at, span.kind, span.cuda_device});
+      served.regs.push_back(reg);
+      if (const auto* set = static_cast<const MrSet*>(reg->handle.get());
+          set != nullptr && set->staged)
+        // The owner of one-sided RDMA cannot stage: another method serves this memory.
+        throw t_.devices_->gpudirect().unreachable(*set);
+      if (reg->base + reg->size <= at)
+        throw Error(ErrorCode::Internal, "verbs: a registration short of its range");
+      at = reg->base + reg->size;
+    }
+    if (own) {
+      // No windows: a registration of this operation's (attachment's) own, whose keys die
+      // with it.
+      int flags = 0;
+      if (allows(access, Access::read)) flags |= IBV_ACCESS_REMOTE_READ;
+      if (allows(access, Access::write)) flags |= IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
+      served.own.push_back(t_.devices_->register_everywhere(span, flags));
+    }
+  }
+}
+
 void VerbsServer::expose(const Exposure& exposure, ExposureObserver& observer) {
   exposures_.add(exposure, observer);
   auto served = std::make_unique<Served>();
   served->spans = exposures_.find(exposure.id)->spans;
   try {
-    for (const Region& span : served->spans) {
-      // A span of CUDA memory may join touching allocations: a registration for each.
-      const auto end = reinterpret_cast<std::uint64_t>(span.ptr) + span.size;
-      for (std::uint64_t at = reinterpret_cast<std::uint64_t>(span.ptr); at < end;) {
-        auto reg = t_.acquire(
-            Region{reinterpret_cast<std::byte*>(at), end - at, span.kind, span.cuda_device});
-        served->regs.push_back(reg);
-        if (const auto* set = static_cast<const MrSet*>(reg->handle.get());
-            set != nullptr && set->staged)
-          // The owner of one-sided RDMA cannot stage: another method serves this memory.
-          throw t_.devices_->gpudirect().unreachable(*set);
-        if (reg->base + reg->size <= at)
-          throw Error(ErrorCode::Internal, "verbs: a registration short of its range");
-        at = reg->base + reg->size;
-      }
-      if (!t_.devices_->uses_memory_windows()) {
-        // No windows: a registration of this operation's own, whose keys die with it.
-        const int access = exposure.access == Access::read
-                               ? IBV_ACCESS_REMOTE_READ
-                               : IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE;
-        served->own.push_back(t_.devices_->register_everywhere(span, access));
-      }
-    }
+    register_spans(*served, exposure.access, true, !t_.devices_->uses_memory_windows());
   } catch (...) {
     exposures_.revoke(exposure.id);
     throw;
@@ -226,8 +234,10 @@ void VerbsServer::windows_for(Conn& conn, Served& served, Access access, std::ve
         bind.bind.mr = mr;
         bind.bind.addr = addr;
         bind.bind.length = n;
-        bind.bind.mw_access_flags = static_cast<unsigned>(
-            access == Access::read ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE);
+        unsigned flags = 0;
+        if (allows(access, Access::read)) flags |= IBV_ACCESS_REMOTE_READ;
+        if (allows(access, Access::write)) flags |= IBV_ACCESS_REMOTE_WRITE;
+        bind.bind.mw_access_flags = flags;
         w.rkey = bind.rkey;
         binds.push_back(std::move(bind));
       }
@@ -326,6 +336,120 @@ void VerbsServer::serve_done(Conn& conn, const FrameHeader& h, const std::string
   }
   reply(conn, h.req_id, nullptr);
   finish_exposure(h.op_id, std::nullopt);
+}
+
+void VerbsServer::serve_region(const RegionExposure& region, RegionObserver& observer) {
+  auto served = std::make_unique<Served>();
+  served->spans = kit::ExposureTable::merged(region.regions);
+  // Registered once, through the cache; an attachment's keys are its own (windows, or its own
+  // registrations where the device has no windows).
+  register_spans(*served, region.access, true, false);
+  regions_.add(region, observer);
+  region_served_[region.id] = std::move(served);
+}
+
+void VerbsServer::serve_attach(Conn& conn, const FrameHeader& h) {
+  auto v = regions_.attach(h.op_id, h.token, h.flags, conn.id, conn.peer_name, conn.describe(),
+                           conn.peer_id);
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  const auto access = static_cast<Access>(h.flags);
+  auto served = std::make_unique<Served>();
+  const Served& region = *region_served_.at(h.op_id);
+  served->spans = region.spans;
+  served->regs = region.regs;
+  std::vector<Window> out;
+  std::vector<CtlItem> binds;
+  std::optional<Error> failure = refusal([&] {
+    if (!t_.devices_->uses_memory_windows()) register_spans(*served, access, false, true);
+    windows_for(conn, *served, access, out, binds);
+  });
+  if (failure) {
+    for (ibv_mw* mw : served->mws) t_.api_.dealloc_mw(mw);
+    regions_.revoke(v.attachment);
+    reply(conn, h.req_id, &*failure);
+    return;
+  }
+  admission_.claimed(conn.id);
+  served->conn = conn.id;
+  served_[v.attachment] = std::move(served);
+  t_.counters_.windows_bound += binds.size();
+  // The binds go first on the same send queue: the peer has the keys only after they hold.
+  for (CtlItem& b : binds) conn.bind(std::move(b));
+  std::string body(out.size() * 24, '\0');
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    std::memcpy(body.data() + i * 24, &out[i].addr, 8);
+    std::memcpy(body.data() + i * 24 + 8, &out[i].len, 8);
+    std::memcpy(body.data() + i * 24 + 16, &out[i].rkey, 4);
+  }
+  FrameHeader answer;
+  answer.type = FrameType::attached;
+  answer.req_id = h.req_id;
+  answer.op_id = v.attachment;
+  answer.token = v.secret;
+  conn.send_ctl(answer, {}, body);
+}
+
+wire::Sink VerbsServer::receive_ended(Conn& conn, const FrameHeader& h, std::string tag) {
+  if (h.len == 0 || h.len % 16 != 0 || h.len > kit::Regions::kMaxEndedBytes)
+    return wire::fatal("ENDED of " + std::to_string(h.len) + " bytes of ranges");
+  conn.tag = std::move(tag);
+  conn.payload.assign(h.len, '\0');
+  wire::Sink sink;
+  sink.dest = reinterpret_cast<std::byte*>(conn.payload.data());
+  return sink;
+}
+
+void VerbsServer::serve_ended(Conn& conn, const FrameHeader& h, const std::string& ranges) {
+  // A SEND behind the peer's data on the same queue pair: a write's bytes are in place.
+  std::optional<Error> outcome;
+  if (h.status != 0) outcome = wire::ended_by_peer(h.status, {}, conn.describe());
+  auto v = regions_.ended(h.op_id, h.token, h.flags, std::move(outcome), std::move(conn.tag),
+                          ranges.data(), ranges.size(), conn.id);
+  conn.tag.clear();
+  if (h.req_id == 0) return;  // a notice
+  if (!v.ok()) {
+    const Error refused(v.code, v.message);
+    reply(conn, h.req_id, &refused);
+    return;
+  }
+  reply(conn, h.req_id, nullptr);
+}
+
+void VerbsServer::serve_detach(Conn& conn, const FrameHeader& h) {
+  if (!regions_.holds(h.op_id, h.token, conn.id)) return;
+  end_served(h.op_id);
+  regions_.detach(h.op_id, h.token, conn.id);
+}
+
+void VerbsServer::end_attachment(std::uint64_t id, const Error& reason) {
+  auto it = served_.find(id);
+  if (it == served_.end() || !regions_.is_attachment(id)) return;
+  Conn* conn = t_.conn_of(it->second->conn);
+  // When the windows are deallocated (the registrations gone), no access through them runs.
+  end_served(id);
+  regions_.revoke(id);
+  if (conn != nullptr && conn->state == Conn::State::up) {
+    FrameHeader h;
+    h.type = FrameType::status;
+    h.op_id = id;
+    h.status = wire::to_wire(reason.code());
+    conn->send_ctl(h, reason.message());
+  }
+}
+
+void VerbsServer::revoke_attachment(std::uint64_t attachment, const Error& reason) {
+  end_attachment(attachment, reason);
+}
+
+void VerbsServer::end_region(std::uint64_t id, const Error& reason) {
+  for (const auto& [attachment, conn] : regions_.attachments_of(id))
+    end_attachment(attachment, reason);
+  regions_.end(id);
+  region_served_.erase(id);
 }
 
 }  // namespace ferry::transport::verbs

@@ -210,6 +210,25 @@ std::string VerbsTransport::expose(const Exposure& exposure, ExposureObserver& o
 
 void VerbsTransport::revoke(std::uint64_t id, const Error& reason) { server_->revoke(id, reason); }
 
+std::string VerbsTransport::serve_region(const RegionExposure& region, RegionObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  server_->serve_region(region, observer);
+  return {};
+}
+
+void VerbsTransport::revoke_attachment(std::uint64_t attachment, const Error& reason) {
+  server_->revoke_attachment(attachment, reason);
+}
+
+void VerbsTransport::end_region(std::uint64_t id, const Error& reason) {
+  server_->end_region(id, reason);
+}
+
+std::unique_ptr<RemoteRegion> VerbsTransport::attach(AttachSpec spec, AttachObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  return client_->attach(std::move(spec), observer);
+}
+
 std::unique_ptr<Transfer> VerbsTransport::start(TransferSpec spec, TransferObserver& observer) {
   if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
   return client_->start(std::move(spec), observer);
@@ -500,7 +519,16 @@ wire::Sink VerbsTransport::ctl_frame(Conn& conn, const wire::FrameHeader& h, std
       server_->serve_done(conn, h, msg);
       return {};
     case wire::FrameType::claimed:
+    case wire::FrameType::attached:
       return client_->receive_claimed(conn, h);
+    case wire::FrameType::attach:
+      server_->serve_attach(conn, h);
+      return {};
+    case wire::FrameType::ended:
+      return server_->receive_ended(conn, h, std::move(msg));
+    case wire::FrameType::detach:
+      server_->serve_detach(conn, h);
+      return {};
     case wire::FrameType::status:
       if (h.req_id != 0)
         client_->on_reply(conn, h, std::move(msg), {});
@@ -518,6 +546,10 @@ void VerbsTransport::ctl_payload(Conn& conn, const wire::FrameHeader& h, bool in
   if (h.type == wire::FrameType::claim) {
     // A claim refused on its header is answered now that its ranges went by.
     server_->serve_claim(conn, h, intact ? payload : std::string());
+    return;
+  }
+  if (h.type == wire::FrameType::ended) {
+    if (intact) server_->serve_ended(conn, h, payload);
     return;
   }
   if (intact) client_->on_reply(conn, h, {}, std::move(payload));

@@ -17,7 +17,9 @@
 #include "transport/kit/admission.hpp"
 #include "transport/kit/exposures.hpp"
 #include "transport/kit/pending.hpp"
+#include "transport/kit/regions.hpp"
 #include "transport/kit/registration_cache.hpp"
+#include "transport/kit/remote_region.hpp"
 #include "transport/kit/transfers.hpp"
 #include "transport/transport.hpp"
 #include "transport/verbs/verbs_api.hpp"
@@ -87,6 +89,17 @@ class VerbsServer {
   void serve_done(Conn& conn, const wire::FrameHeader& h, const std::string& msg);
   /// Sizes a CLAIM's buffer once its token has been checked.
   wire::Sink receive_claim(Conn& conn, const wire::FrameHeader& h);
+
+  // Regions (docs/regions.md): ATTACH answered as a claim of the whole region is, with keys
+  // valid for that attachment alone (windows bound to its queue pair, or registrations of its
+  // own), which revocation invalidates; ENDED, a SEND behind the data, tells the owner.
+  void serve_region(const RegionExposure& region, RegionObserver& observer);
+  void revoke_attachment(std::uint64_t attachment, const Error& reason);
+  void end_region(std::uint64_t id, const Error& reason);
+  void serve_attach(Conn& conn, const wire::FrameHeader& h);
+  wire::Sink receive_ended(Conn& conn, const wire::FrameHeader& h, std::string tag);
+  void serve_ended(Conn& conn, const wire::FrameHeader& h, const std::string& ranges);
+  void serve_detach(Conn& conn, const wire::FrameHeader& h);
   /// Connection `conn` is gone: every exposure it claimed ends, their keys die now.
   void lose(Conn& conn, const Error& error);
   void heard(Conn& conn) { admission_.heard(conn.id); }
@@ -105,6 +118,11 @@ class VerbsServer {
   };
   /// Ends what serving `id` holds: its windows (or registrations) are invalidated now.
   void end_served(std::uint64_t id);
+  /// Registers `served.spans`: through the cache (`cached`), and with registrations of its own
+  /// for `access` (`own`: where the device has no windows). Throws as expose() does.
+  void register_spans(Served& served, Access access, bool cached, bool own);
+  /// The owner ends attachment `id`: its keys die, its peer hears `reason`.
+  void end_attachment(std::uint64_t id, const Error& reason);
   void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
   void reply(Conn& conn, std::uint64_t req, const Error* error);
   /// The claimant's keys for `served`, bound to `conn`, into `out` (and the window binds to
@@ -115,8 +133,38 @@ class VerbsServer {
   VerbsTransport& t_;
   kit::Exposures exposures_;
   std::unordered_map<std::uint64_t, std::unique_ptr<Served>> served_;  ///< by exposure id
-  std::unordered_map<std::uint64_t, std::optional<Error>> refused_;    ///< conn -> CLAIM refused
+  kit::Regions regions_;
+  /// By region id: its spans and their cache registrations, copied into each attachment.
+  std::unordered_map<std::uint64_t, std::unique_ptr<Served>> region_served_;
+  std::unordered_map<std::uint64_t, std::optional<Error>> refused_;  ///< conn -> CLAIM refused
   kit::Admission admission_;
+};
+
+class VerbsClient;
+
+/// An attachment to a peer's region by verbs, the active side: ATTACH on the connection to the
+/// owner, answered with keys of its own; then every transfer posts its work requests under
+/// them at once and ends with a one-way ENDED, a SEND behind its data (docs/regions.md).
+/// Destroying it sends DETACH.
+class VerbsRemoteRegion final : public kit::RemoteRegionBase {
+ public:
+  VerbsRemoteRegion(VerbsClient& client, Defer defer, std::uint64_t region_key, AttachSpec spec,
+                    AttachObserver& observer)
+      : RemoteRegionBase(std::move(defer), std::move(spec), observer),
+        key(region_key),
+        client_(client) {}
+  ~VerbsRemoteRegion() override;
+  std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
+
+  const std::uint64_t key;
+  std::uint64_t conn = 0;  ///< 0 once its connection is gone
+  bool sent = false;       ///< its ATTACH went out
+  std::uint64_t attachment = 0;
+  Token secret{};
+  std::vector<Window> windows;  ///< sorted by address
+
+ private:
+  VerbsClient& client_;
 };
 
 /// The active side of verbs: transfers on connections, their requests, work requests and
@@ -131,8 +179,15 @@ class VerbsClient final : private kit::TransferHooks<VerbsTransfer> {
   /// `conn` is up: the transfers that waited for it claim.
   void connected(Conn& conn, const std::vector<std::uint64_t>& waiting);
   void on_reply(Conn& conn, const wire::FrameHeader& h, std::string msg, std::string payload);
-  /// Sizes a CLAIMED's payload, if it answers a claim of ours on `conn`; else drops it.
+  /// Sizes a CLAIMED's (or ATTACHED's) payload, if it answers a claim (attach) of ours on
+  /// `conn`; else drops it.
   wire::Sink receive_claimed(Conn& conn, const wire::FrameHeader& h);
+
+  // Regions.
+  std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer);
+  std::unique_ptr<Transfer> start_attached(VerbsRemoteRegion& region, TransferSpec spec,
+                                           TransferObserver& observer);
+  void forget_region(VerbsRemoteRegion& region);
   void on_notice(Conn& conn, const wire::FrameHeader& h, const std::string& msg);
   /// Posts data work requests of transfers waiting on `conn`, within its queue depth.
   void pump(Conn& conn);
@@ -154,7 +209,13 @@ class VerbsClient final : private kit::TransferHooks<VerbsTransfer> {
     std::uint64_t op = 0;
     Token token{};
     Access access = Access::read;
+    std::uint64_t region = 0;  ///< the answer to this attachment's ATTACH (key)
   };
+  void send_attach(Conn& conn, VerbsRemoteRegion& region);
+  void attach_answered(Conn& conn, VerbsRemoteRegion& region, const wire::FrameHeader& h,
+                       const std::string& msg, const std::string& payload);
+  /// Tells the owner that transfer `t` on an attachment ended (ENDED; `error`: why it failed).
+  void send_ended(Conn& conn, const VerbsTransfer& t, const std::optional<Error>& error);
 
   // kit::TransferHooks
   void stop(VerbsTransfer& t) override;
@@ -195,6 +256,8 @@ class VerbsClient final : private kit::TransferHooks<VerbsTransfer> {
   /// The registration of each staging chunk, held as long as the stager.
   std::map<const std::byte*, std::shared_ptr<const Registration>> chunk_regs_;
   kit::TransferTable<VerbsTransfer> transfers_;
+  std::unordered_map<std::uint64_t, VerbsRemoteRegion*> regions_;  ///< by key
+  std::uint64_t next_region_ = 1;
 };
 
 /// The RDMA method: one-sided READ and WRITE over reliable-connected queue pairs that rdma_cm
@@ -228,6 +291,12 @@ class VerbsTransport final : public Transport, private Devices::Handler, private
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
   std::optional<Error> unreachable(const Endpoint& endpoint) const override;
   void close() override;
+
+  bool serves_regions() const override { return true; }
+  std::string serve_region(const RegionExposure& region, RegionObserver& observer) override;
+  void revoke_attachment(std::uint64_t attachment, const Error& reason) override;
+  void end_region(std::uint64_t id, const Error& reason) override;
+  std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer) override;
 
   const Counters& counters() const noexcept { return counters_; }
   /// Whether the devices have type-2 memory windows and they are in use.
