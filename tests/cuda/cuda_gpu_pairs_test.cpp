@@ -199,6 +199,45 @@ TEST_P(GpuCancel, NothingLandsAfterCancelReturns) {
 
 INSTANTIATE_TEST_SUITE_P(All, GpuCancel, ::testing::Values("cuda_ipc", "tcp", "cma"));
 
+// ---- Regions -----------------------------------------------------------------------------
+
+// A region of the child's device memory (docs/regions.md): attached once, read in parts into
+// our device memory and written whole from our host memory; the child's event says the write
+// is in, and its bytes are checked through the driver.
+class GpuRegion : public GpuTest, public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (const std::string why = missing(GetParam()); !why.empty()) GTEST_SKIP() << why;
+    start(GetParam());
+  }
+  void TearDown() override { stop(); }
+};
+
+TEST_P(GpuRegion, AttachedOnceThenReadAndWritten) {
+  const std::size_t size = (std::size_t{256} << 20) + 3;
+  RegionMetadata region = child_->region(0, size, 61, 62);
+  auto att = us_->attach(region);
+  Memory into(0, size);
+  const std::size_t part = size / 4;
+  std::vector<Operation> reads;
+  for (std::size_t i = 0; i < 4; ++i) {
+    const std::size_t at = i * part;
+    const std::size_t len = i == 3 ? size - at : part;
+    reads.push_back(att.read({{at, len}}, {Descriptor(into.descriptor().bytes() + at, len,
+                                                      into.descriptor().device())}));
+  }
+  for (auto& r : reads) ASSERT_TRUE(r.wait_for_completion(kWait));
+  EXPECT_EQ(att.method(), GetParam());
+  EXPECT_EQ(into.mismatch(61), -1);
+  Memory from(kHost, size);
+  from.fill(62);
+  auto w = att.write({from.descriptor()}, {{0, size}});
+  ASSERT_TRUE(w.wait_for_completion(kWait));
+  EXPECT_EQ(child_->answer(), "END complete -1");
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuRegion, ::testing::Values("cuda_ipc", "tcp"));
+
 // ---- The IPC cache -----------------------------------------------------------------------
 
 class GpuIpcCache : public GpuTest, public ::testing::TestWithParam<std::string> {
