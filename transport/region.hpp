@@ -82,11 +82,34 @@ class AttachObserver {
   virtual void on_detached(const Error& error) = 0;
 };
 
+/// A small transfer moved on the calling thread, under an attachment's credential (cma: its
+/// grant, held for the copy, so that revoking waits for it as for any copy). Any thread; host
+/// memory on both sides. It does not tell the owner: the caller then has RemoteRegion::ended()
+/// do that, on the loop.
+class DirectCopy {
+ public:
+  virtual ~DirectCopy() = default;
+  /// Copies `segments` for `access`; none: every byte is in place. The credential has ended,
+  /// or the copy failed: why (nothing more is done).
+  virtual std::optional<Error> copy(Access access, const std::vector<Segment>& segments) const = 0;
+  /// Most segments one copy takes.
+  virtual std::size_t max_segments() const = 0;
+};
+
 /// The active side of one attachment. Destroying it detaches: transfers still under way are
 /// cancelled (as Transfer::cancel does) and the owner is told.
 class RemoteRegion {
  public:
   virtual ~RemoteRegion() = default;
+  /// After on_attached: the calling thread's path for small transfers, or null where the method
+  /// has none. Valid until the RemoteRegion goes (a copy after the attachment ended is refused).
+  virtual std::shared_ptr<const DirectCopy> direct() const { return nullptr; }
+  /// Loop thread: tells the owner that a transfer made through direct() ended (`spec`: its
+  /// access, segments and region_tag), as a transfer's own end would.
+  virtual void ended(const TransferSpec& spec, const std::optional<Error>& error) {
+    (void)spec;
+    (void)error;
+  }
   /// Starts a transfer on the attachment (after on_attached). `spec.remote_id`, `token` and
   /// `endpoint` are filled in here; `spec.region_tag` is the tag the owner sees. Throws
   /// Error(InvalidState) before on_attached or after on_detached.

@@ -99,6 +99,16 @@ void OperationState::cancel() {
   }
 }
 
+void OperationState::completed_here(const std::string& m) {
+  set_method(m);
+  std::uint64_t bytes = 0;
+  for (const Descriptor& d : local) bytes += d.size();
+  core->stats.started(passive);
+  core->stats.ended(m, OperationStatus::complete, bytes,
+                    std::chrono::steady_clock::now() - created_);
+  set_status(OperationStatus::complete);
+}
+
 void OperationState::abandon(Error error) {
   if (is_final(status())) return;
   auto keep = shared_from_this();

@@ -42,6 +42,9 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   /// Any thread, for an operation no transport ever saw, whose start the closing loop
   /// dropped: ends it with `error` (cancelled) at once; callbacks run on the calling thread.
   void abandon(Error error);
+  /// Any thread, before the handle is published: the operation completed on the calling thread
+  /// by `method` (a region's direct copy) without reaching the loop. Counted in stats.
+  void completed_here(const std::string& method);
 
   OperationStatus status() const noexcept { return status_.load(std::memory_order_acquire); }
   void set_status(OperationStatus s) noexcept { status_.store(s, std::memory_order_release); }

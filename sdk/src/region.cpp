@@ -196,6 +196,45 @@ std::vector<Operation> Attachment::submit(std::vector<Transfer> batch) {
 
 namespace {
 
+/// The most bytes a transfer may have to be copied on the calling thread (where its method
+/// can: cma); larger ones go to the loop, whose copies run on libuv's pool in parallel.
+constexpr std::uint64_t kDirectMax = 1u << 20;
+
+// A small transfer of host memory on an attachment whose method copies on the calling thread:
+// copied here under the attachment's credential, with no thread hop, and complete on return;
+// the owner hears of it through the loop. Null when it does not apply, or the copy was refused
+// or failed (the usual path then runs it, and says why).
+std::shared_ptr<detail::RegionTransfer> direct_transfer(
+    const std::shared_ptr<detail::AttachmentState>& att, OperationKind kind,
+    const RegionMetadata& m, const std::vector<Descriptor>& local,
+    std::vector<transport::Segment> segments, const std::string& tag) {
+  auto direct = att->direct();
+  if (!direct) return nullptr;
+  std::uint64_t total = 0;
+  for (const Descriptor& d : local) {
+    if (d.device().kind() == DeviceKind::cuda) return nullptr;
+    total += d.size();
+  }
+  const unsigned need = kind == OperationKind::read ? 1u : 2u;
+  const auto allowed = static_cast<unsigned>(att->wanted.value_or(m.access));
+  if (total > kDirectMax || segments.size() > direct->max_segments() || (allowed & need) == 0)
+    return nullptr;
+  const auto access =
+      kind == OperationKind::read ? transport::Access::read : transport::Access::write;
+  if (direct->copy(access, segments)) return nullptr;
+  detail::Core& core = *att->core;
+  auto op = std::make_shared<detail::RegionTransfer>(att->core, core.next_id(), kind, local, att,
+                                                     std::vector<RegionRange>{},
+                                                     std::vector<std::uint64_t>{}, tag);
+  op->completed_here(att->method());
+  transport::TransferSpec spec;
+  spec.access = access;
+  spec.segments = std::move(segments);
+  spec.region_tag = tag;
+  (void)core.loop->post([att, spec = std::move(spec)] { att->notify_direct(spec); });
+  return op;
+}
+
 std::shared_ptr<detail::RegionTransfer> start_transfer(
     const std::shared_ptr<detail::AttachmentState>& att, OperationKind kind,
     std::vector<RegionRange> remote, std::vector<std::uint64_t> blocks,
@@ -205,11 +244,15 @@ std::shared_ptr<detail::RegionTransfer> start_transfer(
   if (kind == OperationKind::read) detail::check_writable(local, "read");
   check_tag(options.tag);
   const auto timeout = transfer_timeout(core, options);
-  if (std::optional<RegionMetadata> known = att->metadata())
-    (void)detail::region_segments(
+  std::optional<RegionMetadata> known = att->metadata();
+  if (known) {
+    auto segments = detail::region_segments(
         *known, blocks.empty() ? remote : detail::block_ranges(*known, blocks), local);
-  else if (blocks.empty() && remote.empty())
+    if (auto op = direct_transfer(att, kind, *known, local, std::move(segments), options.tag))
+      return op;
+  } else if (blocks.empty() && remote.empty()) {
     throw Error(ErrorCode::InvalidArgument, "the range list is empty");
+  }
   auto op = std::make_shared<detail::RegionTransfer>(att->core, core.next_id(), kind,
                                                      std::move(local), att, std::move(remote),
                                                      std::move(blocks), std::move(options.tag));

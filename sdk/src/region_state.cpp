@@ -360,11 +360,12 @@ bool AttachmentState::try_next() {
 }
 
 void AttachmentState::on_attached() {
-  state_.store(Attachment::State::attached, std::memory_order_release);
   {
     std::lock_guard lock(mu_);
     method_ = transport_->capabilities().method;
+    direct_ = remote_->direct();
   }
+  state_.store(Attachment::State::attached, std::memory_order_release);
   deadline_.reset();
   cv_.notify_all();
   auto keep = shared_from_this();
@@ -406,6 +407,7 @@ void AttachmentState::ended(const Error& error) {
     std::lock_guard lock(mu_);
     if (state() == Attachment::State::detached) return;
     error_ = error;
+    direct_.reset();
     state_.store(Attachment::State::detached, std::memory_order_release);
   }
   cv_.notify_all();
@@ -466,6 +468,15 @@ std::optional<Error> AttachmentState::error() const {
 std::optional<RegionMetadata> AttachmentState::metadata() const {
   std::lock_guard lock(mu_);
   return metadata_;
+}
+
+std::shared_ptr<const transport::DirectCopy> AttachmentState::direct() const {
+  std::lock_guard lock(mu_);
+  return direct_;
+}
+
+void AttachmentState::notify_direct(const transport::TransferSpec& spec) {
+  if (remote_ && state() == Attachment::State::attached) remote_->ended(spec, std::nullopt);
 }
 
 std::string AttachmentState::method() const {

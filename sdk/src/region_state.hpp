@@ -122,6 +122,10 @@ class AttachmentState final : public std::enable_shared_from_this<AttachmentStat
   std::optional<RegionMetadata> metadata() const;
   std::string method() const;
   void wait_attached() const;
+  /// The calling thread's path for small transfers, while attached by a method that has one.
+  std::shared_ptr<const transport::DirectCopy> direct() const;
+  /// Loop thread: the owner hears of a transfer made through direct().
+  void notify_direct(const transport::TransferSpec& spec);
 
   const std::shared_ptr<Core> core;
   const std::uint64_t id;
@@ -159,9 +163,10 @@ class AttachmentState final : public std::enable_shared_from_this<AttachmentStat
   std::atomic<Attachment::State> state_{Attachment::State::attaching};
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  std::optional<RegionMetadata> metadata_;  // guarded by mu_
-  std::optional<Error> error_;              // guarded by mu_
-  std::string method_;                      // guarded by mu_
+  std::optional<RegionMetadata> metadata_;               // guarded by mu_
+  std::optional<Error> error_;                           // guarded by mu_
+  std::string method_;                                   // guarded by mu_
+  std::shared_ptr<const transport::DirectCopy> direct_;  // guarded by mu_
 };
 
 /// One transfer on an attachment: an operation with the usual contract.

@@ -13,6 +13,8 @@
 #include "transport/cma/cma_transfer.hpp"
 #include "transport/context.hpp"
 #include "transport/kit/lifetime.hpp"
+#include "transport/region.hpp"
+#include "transport/same_host/link.hpp"
 
 namespace ferry::transport::cuda {
 class Stager;
@@ -22,6 +24,25 @@ namespace ferry::transport::cma {
 
 /// The most pieces one process_vm_readv/writev call takes (a job's list, a staged unit's).
 inline constexpr std::size_t kIovMax = IOV_MAX;
+
+/// What a failed process_vm_readv/writev (errno `err`) toward `peer_name` (pid `pid`) means.
+Error copy_error(int err, Access access, const std::string& peer_name, std::int64_t pid);
+
+/// A small transfer on an attachment, copied on the calling thread under the attachment's grant
+/// (docs/regions.md): one process_vm_readv/writev, no thread hop. Any thread.
+class DirectCmaCopy final : public DirectCopy {
+ public:
+  DirectCmaCopy(std::shared_ptr<same_host::OwnerProcess> owner, same_host::Grant grant,
+                std::string peer_name)
+      : owner_(std::move(owner)), grant_(grant), peer_name_(std::move(peer_name)) {}
+  std::optional<Error> copy(Access access, const std::vector<Segment>& segments) const override;
+  std::size_t max_segments() const override { return kIovMax; }
+
+ private:
+  std::shared_ptr<same_host::OwnerProcess> owner_;
+  same_host::Grant grant_;
+  std::string peer_name_;
+};
 
 /// The copies of cma's active transfers, once the owner has granted them: jobs of up to
 /// chunk_size bytes on libuv's pool, `parallel` per transfer, each under the owner's grant

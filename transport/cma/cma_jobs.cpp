@@ -9,11 +9,9 @@
 
 namespace ferry::transport::cma {
 
-namespace {
-
-Error copy_error(int err, const TransferSpec& spec, std::int64_t pid) {
-  const std::string who = "peer '" + spec.peer_name + "' (pid " + std::to_string(pid) + ")";
-  const char* call = spec.access == Access::read ? "process_vm_readv" : "process_vm_writev";
+Error copy_error(int err, Access access, const std::string& peer_name, std::int64_t pid) {
+  const std::string who = "peer '" + peer_name + "' (pid " + std::to_string(pid) + ")";
+  const char* call = access == Access::read ? "process_vm_readv" : "process_vm_writev";
   switch (err) {
     case ESRCH:
       return Error(ErrorCode::PeerLost, who + " exited during the transfer");
@@ -30,7 +28,39 @@ Error copy_error(int err, const TransferSpec& spec, std::int64_t pid) {
   }
 }
 
+namespace {
+
+Error copy_error(int err, const TransferSpec& spec, std::int64_t pid) {
+  return cma::copy_error(err, spec.access, spec.peer_name, pid);
+}
+
 }  // namespace
+
+std::optional<Error> DirectCmaCopy::copy(Access access,
+                                         const std::vector<Segment>& segments) const {
+  std::vector<iovec> local;
+  std::vector<iovec> remote;
+  local.reserve(segments.size());
+  remote.reserve(segments.size());
+  for (const Segment& s : segments) {
+    if (s.len == 0) continue;
+    local.push_back({s.local, s.len});
+    remote.push_back({reinterpret_cast<void*>(static_cast<std::uintptr_t>(s.remote_addr)), s.len});
+  }
+  // The grant first, held for the copy: the owner's revoke waits for it, and once it has ended
+  // the grant, no copy starts.
+  if (!owner_->grants->acquire(grant_))
+    return Error(ErrorCode::Cancelled, "peer '" + peer_name_ + "' ended the attachment");
+  int err = 0;
+  std::uint64_t moved = 0;
+  if (same_host::process_exited(owner_->pidfd))
+    err = ESRCH;  // its pid may be another process's by now
+  else
+    err = same_host::copy(owner_->pid, access, local.data(), remote.data(), local.size(), moved);
+  owner_->grants->release(grant_);
+  if (err != 0) return copy_error(err, access, peer_name_, owner_->pid);
+  return std::nullopt;
+}
 
 void Job::run() noexcept {
   {

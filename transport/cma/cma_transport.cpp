@@ -241,6 +241,14 @@ std::unique_ptr<Transfer> CmaTransport::start_attached(Attached& region, Transfe
   return handle;
 }
 
+void CmaTransport::region_attached(std::uint64_t key) {
+  // Small transfers on this attachment may copy on the calling thread, under its grant.
+  if (Attached* region = regions_.find(key); region != nullptr && region->link != nullptr)
+    region->direct_copy = std::make_shared<DirectCmaCopy>(
+        region->link->owner(), region->attach.grant, region->spec().peer_name);
+  regions_.attached(key);
+}
+
 void CmaTransport::forget_region(Attached& region) { regions_.forget(region, links_, closed_); }
 
 }  // namespace ferry::transport::cma

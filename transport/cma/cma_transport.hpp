@@ -76,7 +76,7 @@ class CmaTransport final : public Transport,
   void ended(std::uint64_t id, std::optional<Error> error, bool setup) override;
   void link_closed(same_host::Link& link) override;
   same_host::RegionAttach* attaching(std::uint64_t key) override { return regions_.attaching(key); }
-  void region_attached(std::uint64_t key) override { regions_.attached(key); }
+  void region_attached(std::uint64_t key) override;
   void region_ended(std::uint64_t key, const Error& error, bool setup) override {
     regions_.ended(key, error, setup);
   }

@@ -245,17 +245,22 @@ void Link::send_ended(std::uint64_t transfer, Claimant& c, const Error* error) {
   if (c.done_sent || !conn_->open()) return;
   c.done_sent = true;
   (void)transfer;
+  send_ended(*c.transfer_spec, error);
+}
+
+void Link::send_ended(const TransferSpec& spec, const Error* error) {
+  if (!conn_->open()) return;
   FrameHeader h;
   h.type = FrameType::ended;
-  h.op_id = c.transfer_spec->remote_id;
-  h.token = c.transfer_spec->token;
-  h.flags = static_cast<std::uint16_t>(c.transfer_spec->access);
+  h.op_id = spec.remote_id;
+  h.token = spec.token;
+  h.flags = static_cast<std::uint16_t>(spec.access);
   if (error != nullptr) h.status = wire::to_wire(error->code());
   // Kept by the link until it leaves: the transfer may be gone before that.
   const std::uint64_t key = kNoticeTag | next_notice_++;
-  auto& ranges = notices_[key] = kit::claim_payload(c.transfer_spec->segments);
+  auto& ranges = notices_[key] = kit::claim_payload(spec.segments);
   h.len = ranges.size();
-  conn_->send(h, *c.transfer_spec->region_tag, ranges.data(), key);
+  conn_->send(h, spec.region_tag ? *spec.region_tag : std::string(), ranges.data(), key);
 }
 
 void Link::await_notice(Claimant& c) {

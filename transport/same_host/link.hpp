@@ -127,6 +127,8 @@ class Link final : private wire::StreamConnection::Handler {
   /// Tells the owner that a transfer on an attachment ended (ENDED: its tag, its ranges, and
   /// with `error` why it failed). One-way: the copies were this side's.
   void send_ended(std::uint64_t transfer, Claimant& c, const Error* error);
+  /// The same for a transfer `spec` describes (one made without a Claimant: a direct copy).
+  void send_ended(const TransferSpec& spec, const Error* error);
 
   /// The owner's process, for copies.
   const std::shared_ptr<OwnerProcess>& owner() const noexcept { return owner_; }

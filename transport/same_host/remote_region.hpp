@@ -39,9 +39,20 @@ class RemoteRegion final : public kit::RemoteRegionBase {
     return owner_.start_attached(*this, std::move(spec), observer);
   }
 
+  std::shared_ptr<const DirectCopy> direct() const override { return direct_copy; }
+  void ended(const TransferSpec& spec, const std::optional<Error>& error) override {
+    if (link == nullptr || !attached()) return;
+    TransferSpec s = spec;
+    s.remote_id = attach.attachment;
+    s.token = attach.secret;
+    link->send_ended(s, error ? &*error : nullptr);
+  }
+
   std::uint64_t key() const noexcept { return key_; }
   RegionAttach attach;
   Link* link = nullptr;
+  /// Set by the transport once attached, where it copies on the calling thread (cma).
+  std::shared_ptr<const DirectCopy> direct_copy;
 
  private:
   T& owner_;
@@ -93,6 +104,10 @@ class RemoteRegions {
   }
   void attached(std::uint64_t key) {
     if (auto it = regions_.find(key); it != regions_.end()) it->second->on_attach();
+  }
+  Region* find(std::uint64_t key) {
+    auto it = regions_.find(key);
+    return it == regions_.end() ? nullptr : it->second;
   }
   void ended(std::uint64_t key, const Error& error, bool setup) {
     auto it = regions_.find(key);
