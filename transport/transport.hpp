@@ -233,6 +233,14 @@ class Transport {
   /// under way end with `reason` at the peer, and when it returns none of that peer's requests
   /// touches the memory again. No effect if unknown.
   virtual void revoke_attachment(std::uint64_t attachment, const Error& reason);
+  /// Region `id`'s live attachments by connector `peer_id` (as its connections said in their
+  /// HELLO), also those the observer has not heard of yet.
+  virtual std::vector<std::uint64_t> attachments_of_peer(std::uint64_t id,
+                                                         const std::string& peer_id) const {
+    (void)id;
+    (void)peer_id;
+    return {};
+  }
   /// Ends serving region `id`: its token dies and every attachment is revoked as above.
   /// No observer call follows. No effect if unknown.
   virtual void end_region(std::uint64_t id, const Error& reason);

@@ -64,6 +64,9 @@ struct Initiator::Point {
   ferry::Connector* connector = nullptr;
   std::vector<Piece> pieces;
   std::chrono::milliseconds op_timeout{0};
+  // --pairing region: the attachment, and where an operation's bytes lie in a target buffer.
+  std::shared_ptr<ferry::Attachment> attachment;
+  std::vector<Piece> target_pieces;
   std::uint64_t cap = 0;  // measured operations at most
   bool adaptive = false;
   std::size_t queue_depth = 1;  // metadata a thread keeps in hand
@@ -181,7 +184,7 @@ PointResult Initiator::run(PointSpec spec) {
   PointResult r;
   r.method = spec.method == "verbs" && options_.simulated_verbs ? "verbs(sim)" : spec.method;
   r.op_type = spec.op_type();
-  r.pairing = spec.by_subject ? "subject" : "metadata";
+  r.pairing = spec.by_region ? "region" : spec.by_subject ? "subject" : "metadata";
   r.kv = spec.kv;
   r.block_size = spec.block_size;
   r.batch_size = spec.batch_size;
@@ -230,6 +233,18 @@ PointResult Initiator::run(PointSpec spec) {
   Point point;
   point.spec = spec;
   point.connector = connector.get();
+  if (spec.by_region) {
+    // Once per point: the target's region, attached before anything is measured.
+    try {
+      point.attachment = std::make_shared<ferry::Attachment>(connector->attach(
+          ferry::RegionMetadata::from_json(prepared.header.at("region").get<std::string>())));
+      point.attachment->wait_attached();
+    } catch (const std::exception& e) {
+      r.skipped = std::string("attaching to the target's region: ") + e.what();
+      return r;
+    }
+    point.target_pieces = layout(spec, Side::target);
+  }
   point.pieces = layout(spec, Side::initiator);
   point.cap = cap;
   point.adaptive = options_.num_iter == 0;
@@ -450,20 +465,35 @@ void Initiator::drive(Point& point, const std::shared_ptr<Thread>& thread) {
     std::variant<ferry::RdmaMetadata, ferry::Subject> remote = ferry::Subject(item.doc);
     Clock::time_point posted;
     try {
-      if (!spec.by_subject) remote = ferry::RdmaMetadata::from_json(item.doc);
-      posted = Clock::now();
-      if (spec.write) {
-        slot.op = std::visit(
-            [&](const auto& to) {
-              return point.connector->begin_write(std::move(local), to, opts);
-            },
-            remote);
+      if (spec.by_region) {
+        // The item names a buffer of the target's region: the operation's ranges in it.
+        const std::uint64_t base = std::stoull(item.doc) * spec.buffer_bytes();
+        std::vector<ferry::RegionRange> ranges;
+        for (const Piece& p : point.target_pieces) ranges.push_back({base + p.offset, p.size});
+        ferry::TransferOptions t;
+        t.timeout = point.op_timeout;
+        t.tag = std::to_string(item.n);
+        posted = Clock::now();
+        if (spec.write)
+          slot.op = point.attachment->write(std::move(local), std::move(ranges), t);
+        else
+          slot.op = point.attachment->read(std::move(ranges), std::move(local), t);
       } else {
-        slot.op = std::visit(
-            [&](const auto& from) {
-              return point.connector->begin_read(from, std::move(local), opts);
-            },
-            remote);
+        if (!spec.by_subject) remote = ferry::RdmaMetadata::from_json(item.doc);
+        posted = Clock::now();
+        if (spec.write) {
+          slot.op = std::visit(
+              [&](const auto& to) {
+                return point.connector->begin_write(std::move(local), to, opts);
+              },
+              remote);
+        } else {
+          slot.op = std::visit(
+              [&](const auto& from) {
+                return point.connector->begin_read(from, std::move(local), opts);
+              },
+              remote);
+        }
       }
     } catch (const std::exception& e) {
       ++th.errors;

@@ -35,6 +35,7 @@ std::vector<PointSpec> sweep(const Options& o, const std::string& session, std::
         p.method = method;
         p.write = op == "WRITE";
         p.by_subject = o.by_subject;
+        p.by_region = o.by_region;
         p.kv = o.kv;
         p.inflight = inflight;
         p.threads = o.num_threads;
@@ -146,7 +147,9 @@ int run(Options o) {
         what.method =
             points[k].method == "verbs" && o.simulated_verbs ? "verbs(sim)" : points[k].method;
         what.op_type = points[k].op_type();
-        what.pairing = points[k].by_subject ? "subject" : "metadata";
+        what.pairing = points[k].by_region    ? "region"
+                       : points[k].by_subject ? "subject"
+                                              : "metadata";
         what.kv = points[k].kv;
         what.block_size = points[k].block_size;
         what.batch_size = points[k].batch_size;

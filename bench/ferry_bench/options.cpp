@@ -38,8 +38,12 @@ latency per point of a sweep (method x op_type x inflight x batch size x block s
                                  --point_seconds of them, 8 to 100000)
   --warmup_iter N                unmeasured operations per thread first (default 4)
   --point_seconds S              (default 1.0)
-  --pairing metadata|subject     metadata (default): metadata handed over ahead;
-                                 subject: every operation pairs by its NATS subject
+  --pairing metadata|subject|region
+                                 metadata (default): metadata handed over ahead;
+                                 subject: every operation pairs by its NATS subject;
+                                 region: the target exposes its buffers once as a region, the
+                                 initiator attaches once, every operation is a transfer on it
+                                 (docs/regions.md)
   --kv                           KV-shaped: --kv_pages pages of --kv_page_size per operation,
   --kv_page_size N               picked non-contiguously from a pool (defaults 16K, 1024)
   --kv_pages N
@@ -210,9 +214,10 @@ Options parse_options(int argc, char** argv) {
        }},
       {"pairing",
        [&](auto& n, auto& v) {
-         if (v != "metadata" && v != "subject")
-           throw std::invalid_argument("--" + n + ": metadata or subject");
+         if (v != "metadata" && v != "subject" && v != "region")
+           throw std::invalid_argument("--" + n + ": metadata, subject or region");
          o.by_subject = v == "subject";
+         o.by_region = v == "region";
        }},
       {"kv_page_size", [&](auto& n, auto& v) { o.kv_page_size = parse_positive_size(n, v); }},
       {"kv_pages",

@@ -27,6 +27,7 @@ struct Options {
   std::uint64_t warmup_iter = 4;
   double point_seconds = 1.0;
   bool by_subject = false;  ///< --pairing subject
+  bool by_region = false;   ///< --pairing region
   bool kv = false;
   std::size_t kv_page_size = 16u << 10;
   std::size_t kv_pages = 1024;

@@ -16,6 +16,7 @@ json PointSpec::to_json() const {
   return json{{"method", method},
               {"write", write},
               {"by_subject", by_subject},
+              {"by_region", by_region},
               {"kv", kv},
               {"block_size", block_size},
               {"batch_size", batch_size},
@@ -35,6 +36,7 @@ PointSpec PointSpec::from_json(const json& j) {
   s.method = j.at("method").get<std::string>();
   s.write = j.at("write").get<bool>();
   s.by_subject = j.at("by_subject").get<bool>();
+  s.by_region = j.at("by_region").get<bool>();
   s.kv = j.at("kv").get<bool>();
   s.block_size = j.at("block_size").get<std::size_t>();
   s.batch_size = j.at("batch_size").get<std::size_t>();

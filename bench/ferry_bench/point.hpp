@@ -30,6 +30,7 @@ struct PointSpec {
   std::string method;  ///< "tcp", "cma", "verbs"
   bool write = true;   ///< WRITE (target holds writables) or READ (target holds readables)
   bool by_subject = false;
+  bool by_region = false;  ///< one region over the target's buffers, attached once
   bool kv = false;
   std::size_t block_size = 0;  ///< bytes per descriptor (the page size in KV mode)
   std::size_t batch_size = 1;  ///< descriptors per operation (pages in KV mode)

@@ -42,6 +42,35 @@ class TargetPoint {
       s.host = host_descriptors(s.buffer, pieces);
       slots_.push_back(std::move(s));
     }
+    if (spec_.by_region) {
+      // One region over every buffer, in order: buffer i is bytes [i * buffer_bytes, ...) of
+      // it. An operation's end is the region's transfer event, tagged with its number.
+      std::vector<ferry::Descriptor> whole;
+      for (const Slot& s : slots_) {
+        const int device = s.buffer.device();
+        whole.push_back(device < 0 ? ferry::Descriptor(s.buffer.data(), s.buffer.size())
+                                   : ferry::Descriptor(s.buffer.data(), s.buffer.size(),
+                                                       ferry::Device::cuda(device)));
+      }
+      ferry::RegionOptions ro;
+      ro.access = spec_.write ? ferry::RegionAccess::write : ferry::RegionAccess::read;
+      ro.queue_events = false;
+      ro.on_event = [state = state_](const ferry::RegionEvent& e) {
+        if (e.type != ferry::RegionEvent::Type::transfer) return;
+        std::uint64_t n = 0;
+        try {
+          n = std::stoull(e.tag);
+        } catch (const std::exception&) {
+          return;
+        }
+        {
+          std::lock_guard lock(state->mu);
+          state->ended.push_back({n, e.status, e.error ? e.error->what() : ""});
+        }
+        state->cv.notify_all();
+      };
+      region_ = connector_.create_region(std::move(whole), ro);
+    }
     for (std::size_t i = 0; i < spec_.pool && i < spec_.max_ops; ++i) create(i);
     recycler_ = std::thread([this] { recycle(); });
   }
@@ -76,6 +105,9 @@ class TargetPoint {
     return r;
   }
 
+  /// --pairing region: the region's metadata.
+  std::string region_metadata() const { return region_ ? region_.metadata().to_json() : ""; }
+
   // Ends the point: waits for the `used` operations the initiator started to end here, then
   // cancels every other one and stops the recycler. Returns the target's counts.
   json end(std::uint64_t used, std::chrono::milliseconds wait) {
@@ -93,6 +125,9 @@ class TargetPoint {
       state_->ending = true;
       for (auto& [n, live] : state_->live) {
         if (live.op) cancel.push_back(std::move(live.op));
+        // Region: an item never handed out has no transfer to end; one handed out and never
+        // ended ends as the region closes.
+        if (spec_.by_region) state_->ended.push_back({n, ferry::OperationStatus::cancelled, ""});
       }
     }
     // Destroying a handle cancels its operation (off the lock: the callbacks need it).
@@ -172,6 +207,22 @@ class TargetPoint {
     Slot& s = slots_[slot];
     Live live;
     live.slot = slot;
+    if (spec_.by_region) {
+      // No operation: the item names the buffer; its transfer's event ends it.
+      if (!spec_.write && spec_.check) {
+        fill_pattern(s.host, spec_.seed, n);
+        s.buffer.push();
+      }
+      live.doc = std::to_string(slot);
+      {
+        std::lock_guard lock(state_->mu);
+        state_->live.emplace(n, std::move(live));
+        state_->ready.push_back(n);
+        ++state_->created;
+      }
+      state_->cv.notify_all();
+      return;
+    }
     try {
       ferry::OperationOptions options;
       if (spec_.by_subject) options.subject = spec_.subject(n);
@@ -272,6 +323,7 @@ class TargetPoint {
   std::mutex create_mu_;
   std::thread recycler_;
   bool ended_ = false;
+  ferry::Region region_;  // --pairing region; closed before the buffers go
 };
 
 }  // namespace
@@ -314,7 +366,10 @@ int run_target(const Options& options) {
             connector_options(spec.method, options.nats_url, "ferry-bench-target"));
       }
       point = std::make_unique<TargetPoint>(*connector, std::move(spec));
-      return {json{{"ok", true}}, {}};
+      json ok{{"ok", true}};
+      if (const std::string region = point->region_metadata(); !region.empty())
+        ok["region"] = region;
+      return {std::move(ok), {}};
     }
     if (cmd == "batch") {
       if (!point) throw std::runtime_error("batch without a prepared point");

@@ -118,9 +118,11 @@ void RegionState::on_deadline(uv_timer_t* timer) {
 }
 
 void RegionState::end(const Error& reason) {
+  auto keep = shared_from_this();
   {
     std::lock_guard lock(mu_);
-    if (ended_) return;
+    if (ending_) return;
+    ending_ = true;  // an event callback that closes the region again does nothing
   }
   open_.store(false, std::memory_order_release);
   // When end_region returns, no peer's request touches the memory any more.
@@ -149,7 +151,19 @@ std::size_t RegionState::revoke(const std::string& who) {
   for (const auto& [att, p] : peers_)
     if (p.info.attachment == who || (!p.info.peer_id.empty() && p.info.peer_id == who))
       hit.push_back(att);
+  // A peer's attachments the owner has not heard of yet (their events are on the way) go too:
+  // silently, as the owner never saw them come.
+  std::size_t unseen = 0;
+  for (transport::Transport* t : served_on_)
+    for (std::uint64_t att : t->attachments_of_peer(id, who))
+      if (peers_.count(att) == 0) {
+        t->revoke_attachment(att,
+                             Error(ErrorCode::Cancelled,
+                                   "the owner revoked this peer's access to region " + id_hex));
+        ++unseen;
+      }
   for (std::uint64_t att : hit) {
+    auto keep = shared_from_this();
     auto it = peers_.find(att);
     const Error reason(ErrorCode::Cancelled,
                        "the owner revoked this peer's access to region " + id_hex);
@@ -162,7 +176,7 @@ std::size_t RegionState::revoke(const std::string& who) {
     peers_.erase(it);
     emit(std::move(e));
   }
-  return hit.size();
+  return hit.size() + unseen;
 }
 
 std::vector<RegionPeer> RegionState::peers() const {
@@ -243,6 +257,7 @@ std::vector<RegionRange> RegionState::offsets(const transport::Ranges& ranges) c
 }
 
 void RegionState::on_attached(const transport::Attachment& a) {
+  auto keep = shared_from_this();  // the event's callback may drop the last handle
   Peer p;
   for (transport::Transport* t : served_on_)
     if (t->capabilities().method == a.method) p.transport = t;
@@ -259,6 +274,7 @@ void RegionState::on_attached(const transport::Attachment& a) {
 }
 
 void RegionState::on_region_transfer(const transport::RegionNotice& n) {
+  auto keep = shared_from_this();
   RegionEvent e = about(n.attachment);
   e.type = RegionEvent::Type::transfer;
   e.kind = kind_of(n.access);
@@ -278,6 +294,8 @@ void RegionState::on_region_transfer(const transport::RegionNotice& n) {
 }
 
 void RegionState::on_detached(std::uint64_t att, const std::optional<Error>& error) {
+  auto keep = shared_from_this();
+  if (peers_.count(att) == 0) return;  // revoked by the owner: its event was emitted then
   RegionEvent e = about(att);
   e.type = RegionEvent::Type::detached;
   e.status = error ? OperationStatus::errored : OperationStatus::complete;
@@ -364,8 +382,8 @@ void AttachmentState::on_attached() {
     std::lock_guard lock(mu_);
     method_ = transport_->capabilities().method;
     direct_ = remote_->direct();
+    state_.store(Attachment::State::attached, std::memory_order_release);
   }
-  state_.store(Attachment::State::attached, std::memory_order_release);
   deadline_.reset();
   cv_.notify_all();
   auto keep = shared_from_this();

@@ -89,7 +89,8 @@ class RegionState final : public std::enable_shared_from_this<RegionState>,
   std::deque<RegionEvent> queue_;  // guarded by mu_
   std::uint64_t dropped_ = 0;      // guarded by mu_
   std::optional<Error> error_;     // guarded by mu_
-  bool ended_ = false;             // guarded by mu_
+  bool ended_ = false;             // guarded by mu_: the ended event is queued
+  bool ending_ = false;            // guarded by mu_: end() has begun
 };
 
 class RegionTransfer;

@@ -227,11 +227,14 @@ void Stager::drop(std::uint64_t owner) {
   for (Impl::Unit& u : gone) s.give_back(u);
 }
 
-bool Stager::copying(std::uint64_t owner) const {
-  return std::any_of(impl_->units.begin(), impl_->units.end(), [owner](const auto& kv) {
+bool Stager::copying(std::uint64_t owner, std::uint64_t up_to) const {
+  const auto end = impl_->units.upper_bound(up_to);
+  return std::any_of(impl_->units.begin(), end, [owner](const auto& kv) {
     return kv.second.owner == owner && !kv.second.copies.empty();
   });
 }
+
+std::uint64_t Stager::last_unit() const noexcept { return impl_->next_unit - 1; }
 
 std::size_t Stager::held() const noexcept { return impl_->pool.held(); }
 

@@ -78,8 +78,11 @@ class Stager {
   void close(std::uint64_t unit);
   /// Every unit of `owner` goes, copies cancelled first; `owner` waits for no chunk any more.
   void drop(std::uint64_t owner);
-  /// Whether `owner` has copies under way.
-  bool copying(std::uint64_t owner) const;
+  /// Whether `owner` has copies under way; with `up_to`, among its units opened up to that
+  /// one (see last_unit()).
+  bool copying(std::uint64_t owner, std::uint64_t up_to = ~std::uint64_t{0}) const;
+  /// The unit opened last (0: none yet): units opened later have higher numbers.
+  std::uint64_t last_unit() const noexcept;
   /// Chunks held by units.
   std::size_t held() const noexcept;
 

@@ -44,11 +44,23 @@ Regions::Verdict Regions::attach(std::uint64_t region, const Token& token, std::
     return refuse(ErrorCode::AccessDenied, offered == Access::read
                                                ? "the region is readable; it cannot be written"
                                                : "the region is writable; it cannot be read");
+  std::size_t on_conn = 0, on_region = 0;
+  for (const auto& [other, a] : attachments_) {
+    on_conn += a.conn == conn ? 1 : 0;
+    on_region += a.region == region ? 1 : 0;
+  }
+  if (on_conn >= kMaxPerConnection || on_region >= kMaxPerRegion)
+    return refuse(
+        ErrorCode::Unsupported,
+        on_conn >= kMaxPerConnection
+            ? "too many attachments on this connection (" + std::to_string(kMaxPerConnection) + ")"
+            : "too many attachments to this region (" + std::to_string(kMaxPerRegion) + ")");
   Att att;
   att.region = region;
   att.conn = conn;
   att.secret = random_token();
   att.access = wanted;
+  att.peer_id = peer_id;
   const std::uint64_t id = attachment_id(next_++);
   att.lost = std::make_unique<Lost>();
   att.lost->owner = this;
@@ -161,6 +173,15 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> Regions::attachments_of(
   std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
   for (const auto& [att, a] : attachments_)
     if (a.region == id) out.emplace_back(att, a.conn);
+  return out;
+}
+
+std::vector<std::uint64_t> Regions::attachments_of_peer(std::uint64_t id,
+                                                        const std::string& peer_id) const {
+  std::vector<std::uint64_t> out;
+  if (peer_id.empty()) return out;
+  for (const auto& [att, a] : attachments_)
+    if (a.region == id && !a.gone && a.peer_id == peer_id) out.push_back(att);
   return out;
 }
 

@@ -64,6 +64,10 @@ class Regions {
   static constexpr std::size_t kMaxEndedBytes = 16 * 4096;
   /// Most bytes of tag.
   static constexpr std::size_t kMaxTag = 256;
+  /// Most live attachments one connection may hold, and one region may have: each costs the
+  /// owner memory, and a grant slot or memory windows by some methods.
+  static constexpr std::size_t kMaxPerConnection = 256;
+  static constexpr std::size_t kMaxPerRegion = 4096;
 
   /// A DETACH of `id` by connection `conn` with its secret: the attachment ends and the owner
   /// hears on_detached (no error). False when the secret or connection does not fit.
@@ -79,6 +83,10 @@ class Regions {
   std::vector<std::pair<std::uint64_t, std::uint64_t>> end(std::uint64_t id);
   /// Region `id`'s attachments as (attachment, connection) pairs.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> attachments_of(std::uint64_t id) const;
+  /// Region `id`'s live attachments made by connections that said they are connector
+  /// `peer_id` (in their HELLO), whether or not the owner has heard of them yet.
+  std::vector<std::uint64_t> attachments_of_peer(std::uint64_t id,
+                                                 const std::string& peer_id) const;
   /// Drops everything, with no observer calls.
   void clear();
 
@@ -103,6 +111,7 @@ class Regions {
     std::uint64_t conn = 0;
     Token secret{};
     Access access = Access::read;
+    std::string peer_id;
     std::unique_ptr<Lost> lost;
     bool gone = false;  ///< the peer detached or was lost; the owner hears it next
   };

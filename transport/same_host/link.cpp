@@ -232,7 +232,9 @@ void Link::send_attach(std::uint64_t key, RegionAttach& a) {
 void Link::drop_region(std::uint64_t key, RegionAttach& a, bool detach) {
   regions_.erase(key);
   std::erase(unsent_regions_, key);
-  pending_.forget(a.attach_req);
+  // Its ATTACHED payload, if being received, lands nowhere now. An ATTACH still unanswered
+  // stays awaited: its answer finds the attachment gone and detaches it at the owner.
+  conn_->drop_sink(region_sink(key));
   if (!detach || !a.attached || !conn_->open()) return;
   FrameHeader h;
   h.type = FrameType::detach;
@@ -317,6 +319,7 @@ wire::Sink Link::on_attached(const FrameHeader& h) {
   a->payload.assign(h.len, std::byte{0});
   wire::Sink sink;
   sink.dest = a->payload.data();
+  sink.tag = region_sink(r->transfer);
   return sink;
 }
 
@@ -328,6 +331,16 @@ void Link::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_
   const Grant grant{static_cast<std::uint32_t>(h.addr), static_cast<std::uint32_t>(h.addr >> 32)};
   if (h.type == FrameType::attached) {
     RegionAttach* a = r->kind == Kind::attach ? client_.attaching(r->transfer) : nullptr;
+    if (a == nullptr && r->kind == Kind::attach && conn_->open()) {
+      // Detached (or given up) while its ATTACH was on the way: the owner made the attachment
+      // for nobody; end it there.
+      FrameHeader d;
+      d.type = FrameType::detach;
+      d.op_id = h.op_id;
+      d.token = h.token;
+      conn_->send(d);
+      return;
+    }
     if (a == nullptr || (!intact && h.len != 0)) return;
     if (!owner_->grants->holds(grant)) {
       conn_->fail_after_notice(wire::to_wire(ErrorCode::ProtocolError),

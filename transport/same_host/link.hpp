@@ -191,6 +191,10 @@ class Link final : private wire::StreamConnection::Handler {
   std::unordered_map<std::uint64_t, std::vector<std::byte>> notices_;
   std::uint64_t next_notice_ = 1;
   static constexpr std::uint64_t kNoticeTag = std::uint64_t{1} << 61;
+  /// The tag of attachment `key`'s ATTACHED payload sink (transfer ids never have bit 60).
+  static constexpr std::uint64_t region_sink(std::uint64_t key) noexcept {
+    return key | (std::uint64_t{1} << 60);
+  }
   bool proven_ = false;
   std::optional<Error> refusal_;  ///< why the owner was refused at HELLO
   loop::Timer keepalive_;

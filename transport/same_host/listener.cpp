@@ -311,6 +311,12 @@ void Listener::serve_claim(StreamConnection& conn, const FrameHeader& h) {
 
 void Listener::serve_done(StreamConnection& conn, const FrameHeader& h,
                           const std::string& message) {
+  if (regions_.is_attachment(h.op_id)) {
+    // A transfer on an attachment ends with ENDED; the attachment with DETACH.
+    const Error refused(ErrorCode::ProtocolError, "DONE names an attachment");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
   auto v = exposures_.check_done(h.op_id, h.token, h.flags, conn.id());
   if (!v.ok()) {
     const Error refused(v.code, v.message);
@@ -434,10 +440,12 @@ void Listener::serve_detach(StreamConnection& conn, const FrameHeader& h) {
 }
 
 void Listener::end_attachment(std::uint64_t id, const Error& reason) {
+  if (!regions_.is_attachment(id)) return;
+  // Its exposure may be gone already (the peer detached, or its connection was lost, and the
+  // owner has not heard yet): then only the owner's pending event goes.
   const kit::Exposures::Entry* entry = exposures_.find(id);
-  if (entry == nullptr || !regions_.is_attachment(id)) return;
   // When the grant has closed, no copy of that peer touches the memory.
-  if (StreamConnection* conn = end_claim(entry->bound_to, id)) {
+  if (StreamConnection* conn = entry == nullptr ? nullptr : end_claim(entry->bound_to, id)) {
     FrameHeader h;
     h.type = FrameType::status;
     h.op_id = id;

@@ -63,6 +63,10 @@ class Listener final : private wire::StreamConnection::Handler {
   void serve_region(const RegionExposure& region, RegionObserver& observer);
   void revoke_attachment(std::uint64_t attachment, const Error& reason);
   void end_region(std::uint64_t id, const Error& reason);
+  std::vector<std::uint64_t> attachments_of_peer(std::uint64_t id,
+                                                 const std::string& peer_id) const {
+    return regions_.attachments_of_peer(id, peer_id);
+  }
   /// Grants given up because a peer's copy outlived peer_timeout after a revoke (for tests).
   std::uint32_t quarantined_grants() const noexcept { return grants_.quarantined(); }
 

@@ -234,8 +234,17 @@ wire::Sink TcpLink::on_frame(wire::StreamConnection& conn, const FrameHeader& h,
       if (h.len != 0) return wire::fatal("ATTACHED with a payload from a tcp server");
       std::optional<Request> r = pending_.take(h.req_id, conn.id());
       if (!r || r->kind != Kind::attach) return wire::fatal("ATTACHED answers no ATTACH");
-      if (auto it = regions_.find(r->transfer); it != regions_.end())
+      if (auto it = regions_.find(r->transfer); it != regions_.end()) {
         it->second->granted(h.op_id, h.token);
+      } else if (conn_->open()) {
+        // Detached (or given up) while its ATTACH was on the way: end the attachment the owner
+        // made for nobody.
+        FrameHeader d;
+        d.type = FrameType::detach;
+        d.op_id = h.op_id;
+        d.token = h.token;
+        conn_->send(d);
+      }
       return {};
     }
     case FrameType::claimed:

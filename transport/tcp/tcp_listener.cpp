@@ -255,6 +255,12 @@ void TcpListener::on_payload(StreamConnection& conn, const FrameHeader& h, std::
 
 void TcpListener::serve_done(StreamConnection& conn, const FrameHeader& h,
                              const std::string& message) {
+  if (regions_.is_attachment(h.op_id)) {
+    // A transfer on an attachment ends with ENDED; the attachment with DETACH.
+    const Error refused(ErrorCode::ProtocolError, "DONE names an attachment");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
   auto v = exposures_.check_done(h.op_id, h.token, h.flags, conn.id());
   if (!v.ok()) {
     const Error refused(v.code, v.message);
@@ -266,7 +272,7 @@ void TcpListener::serve_done(StreamConnection& conn, const FrameHeader& h,
   if (h.status == 0 && access == Access::write && stager_ && stager_->copying(h.op_id)) {
     // Bytes of earlier WRITEs are still on their way into the device: answer once they are
     // all there (write_copied serves this DONE again).
-    parked_done_.emplace(h.op_id, Parked{conn.id(), h, message, {}});
+    parked_done_.emplace(h.op_id, Parked{conn.id(), h, message, {}, ~std::uint64_t{0}});
     return;
   }
   if (h.status == 0 && access == Access::write) {
@@ -353,10 +359,13 @@ wire::Sink TcpListener::receive_ended(StreamConnection& conn, const FrameHeader&
 void TcpListener::serve_ended(StreamConnection& conn, const FrameHeader& h, std::string tag,
                               std::vector<std::byte> ranges) {
   if (h.status == 0 && h.flags == static_cast<std::uint16_t>(Access::write) && stager_ &&
-      stager_->copying(h.op_id)) {
-    // Bytes of earlier WRITEs are still on their way into the device: the owner hears of the
-    // transfer once they are all there (write_copied serves this ENDED again).
-    parked_done_.emplace(h.op_id, Parked{conn.id(), h, std::move(tag), std::move(ranges)});
+      regions_.holds(h.op_id, h.token, conn.id()) &&
+      stager_->copying(h.op_id, stager_->last_unit())) {
+    // Bytes of the WRITEs before it are still on their way into the device: the owner hears of
+    // the transfer once they are there (write_copied serves this ENDED again). Only the
+    // attachment's holder parks anything.
+    parked_done_.emplace(
+        h.op_id, Parked{conn.id(), h, std::move(tag), std::move(ranges), stager_->last_unit()});
     return;
   }
   std::optional<Error> outcome;
@@ -391,10 +400,12 @@ void TcpListener::end_attachment(std::uint64_t conn_id, std::uint64_t id, const 
 }
 
 void TcpListener::revoke_attachment(std::uint64_t attachment, const Error& reason) {
-  // Still an attachment while its answers are dropped (end_claim tells the two apart).
-  const kit::Exposures::Entry* entry = exposures_.find(attachment);
-  if (entry == nullptr || !regions_.is_attachment(attachment)) return;
-  end_attachment(entry->bound_to, attachment, reason);
+  if (!regions_.is_attachment(attachment)) return;
+  // Still an attachment while its answers are dropped (end_claim tells the two apart). Its
+  // exposure may be gone already (the peer detached, or its connection was lost, and the owner
+  // has not heard yet): then only the owner's pending event goes.
+  if (const kit::Exposures::Entry* entry = exposures_.find(attachment))
+    end_attachment(entry->bound_to, attachment, reason);
   regions_.revoke(attachment);
 }
 

@@ -51,6 +51,10 @@ class TcpListener final : private wire::StreamConnection::Handler {
   void serve_region(const RegionExposure& region, RegionObserver& observer);
   void revoke_attachment(std::uint64_t attachment, const Error& reason);
   void end_region(std::uint64_t id, const Error& reason);
+  std::vector<std::uint64_t> attachments_of_peer(std::uint64_t id,
+                                                 const std::string& peer_id) const {
+    return regions_.attachments_of_peer(id, peer_id);
+  }
 
  private:
   /// A request served through a staging unit: a READ being copied out of the device and sent,
@@ -69,6 +73,9 @@ class TcpListener final : private wire::StreamConnection::Handler {
     wire::FrameHeader h;
     std::string message;
     std::vector<std::byte> payload;  ///< an ENDED's ranges
+    /// Served once the staging units opened up to this one are copied (an attachment's ENDED
+    /// waits for the WRITEs before it, not for later ones).
+    std::uint64_t up_to = ~std::uint64_t{0};
   };
   /// An ENDED whose ranges are being received.
   struct Ending {

@@ -51,7 +51,7 @@ void TcpListener::serve_read_staged(StreamConnection& conn, const FrameHeader& h
     return;
   }
   if (unit == 0) {
-    waiting_reads_.push_back(Parked{conn.id(), h, {}, {}});
+    waiting_reads_.push_back(Parked{conn.id(), h, {}, {}, ~std::uint64_t{0}});
     return;
   }
   staged_[unit] = Staged{h.op_id, conn.id(), h.req_id, false, h.addr, h.len};
@@ -144,11 +144,17 @@ void TcpListener::write_copied(std::uint64_t unit, const std::optional<Error>& e
     }
   }
   // A DONE that waited for this exposure's copies is answered behind the last one.
-  if (stager_->copying(s.op)) return;
+  // Each parked DONE (ENDED) of this exposure whose earlier copies are all done is served.
   auto [from, to] = parked_done_.equal_range(s.op);
   std::vector<Parked> ready;
-  for (auto d = from; d != to; ++d) ready.push_back(std::move(d->second));
-  parked_done_.erase(s.op);
+  for (auto d = from; d != to;) {
+    if (stager_->copying(s.op, d->second.up_to)) {
+      ++d;
+      continue;
+    }
+    ready.push_back(std::move(d->second));
+    d = parked_done_.erase(d);
+  }
   for (Parked& done : ready) {
     StreamConnection* dc = conns_.find(done.conn);
     if (dc == nullptr || !dc->open()) continue;

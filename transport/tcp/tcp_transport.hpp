@@ -42,6 +42,10 @@ class TcpTransport final : public Transport, private kit::TransferHooks<TcpTrans
   std::string serve_region(const RegionExposure& region, RegionObserver& observer) override;
   void revoke_attachment(std::uint64_t attachment, const Error& reason) override;
   void end_region(std::uint64_t id, const Error& reason) override;
+  std::vector<std::uint64_t> attachments_of_peer(std::uint64_t id,
+                                                 const std::string& peer_id) const override {
+    return listener_->attachments_of_peer(id, peer_id);
+  }
   std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer) override;
 
  private:

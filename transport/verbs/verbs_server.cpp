@@ -305,6 +305,12 @@ void VerbsServer::serve_claim(Conn& conn, const FrameHeader& h, const std::strin
 }
 
 void VerbsServer::serve_done(Conn& conn, const FrameHeader& h, const std::string& message) {
+  if (regions_.is_attachment(h.op_id)) {
+    // A transfer on an attachment ends with ENDED; the attachment with DETACH.
+    const Error refused(ErrorCode::ProtocolError, "DONE names an attachment");
+    reply(conn, h.req_id, &refused);
+    return;
+  }
   auto v = exposures_.check_done(h.op_id, h.token, h.flags, conn.id);
   if (!v.ok()) {
     const Error refused(v.code, v.message);
@@ -426,8 +432,14 @@ void VerbsServer::serve_detach(Conn& conn, const FrameHeader& h) {
 }
 
 void VerbsServer::end_attachment(std::uint64_t id, const Error& reason) {
+  if (!regions_.is_attachment(id)) return;
+  // Its keys may be gone already (the peer detached, or its connection was lost, and the owner
+  // has not heard yet): then only the owner's pending event goes.
   auto it = served_.find(id);
-  if (it == served_.end() || !regions_.is_attachment(id)) return;
+  if (it == served_.end()) {
+    regions_.revoke(id);
+    return;
+  }
   Conn* conn = t_.conn_of(it->second->conn);
   // When the windows are deallocated (the registrations gone), no access through them runs.
   end_served(id);

@@ -96,6 +96,10 @@ class VerbsServer {
   void serve_region(const RegionExposure& region, RegionObserver& observer);
   void revoke_attachment(std::uint64_t attachment, const Error& reason);
   void end_region(std::uint64_t id, const Error& reason);
+  std::vector<std::uint64_t> attachments_of_peer(std::uint64_t id,
+                                                 const std::string& peer_id) const {
+    return regions_.attachments_of_peer(id, peer_id);
+  }
   void serve_attach(Conn& conn, const wire::FrameHeader& h);
   wire::Sink receive_ended(Conn& conn, const wire::FrameHeader& h, std::string tag);
   void serve_ended(Conn& conn, const wire::FrameHeader& h, const std::string& ranges);
@@ -297,6 +301,10 @@ class VerbsTransport final : public Transport, private Devices::Handler, private
   void revoke_attachment(std::uint64_t attachment, const Error& reason) override;
   void end_region(std::uint64_t id, const Error& reason) override;
   std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer) override;
+  std::vector<std::uint64_t> attachments_of_peer(std::uint64_t id,
+                                                 const std::string& peer_id) const override {
+    return server_->attachments_of_peer(id, peer_id);
+  }
 
   const Counters& counters() const noexcept { return counters_; }
   /// Whether the devices have type-2 memory windows and they are in use.

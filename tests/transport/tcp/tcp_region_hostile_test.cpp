@@ -215,5 +215,41 @@ TEST_F(TcpRegionHostileTest, AfterRevokeTheOldSecretWritesNothing) {
   EXPECT_NE(b->id, a->id);
 }
 
+TEST_F(TcpRegionHostileTest, ADoneNamingAnAttachmentIsRefusedAndTheAttachmentLivesOn) {
+  auto region = make(RegionAccess::read);
+  const Target t = target(region);
+  RawClient c(t.address);
+  ASSERT_TRUE(c.connected() && c.greet("raw")) << c.error();
+  auto a = attach(c, t, transport::Access::read);
+  ASSERT_TRUE(a);
+  FrameHeader done = on(*a, FrameType::done, 1, 0, 0);
+  done.flags = static_cast<std::uint16_t>(transport::Access::read);
+  ASSERT_TRUE(c.send_frame(done));
+  EXPECT_TRUE(is_status(c.read_frame(), 1, ErrorCode::ProtocolError, "DONE names an attachment"));
+  ASSERT_TRUE(c.send_frame(on(*a, FrameType::read, 2, t.base, 64)));
+  EXPECT_TRUE(is_data(c.read_frame(), 2, 64, kSeed, 0));
+  ASSERT_EQ(region.peers().size(), 1u);
+}
+
+TEST_F(TcpRegionHostileTest, OneConnectionCannotAttachWithoutBound) {
+  auto region = make(RegionAccess::read);
+  const Target t = target(region);
+  RawClient c(t.address);
+  ASSERT_TRUE(c.connected() && c.greet("raw")) << c.error();
+  std::size_t attached = 0;
+  for (std::uint64_t req = 1; req <= 300; ++req) {
+    ASSERT_TRUE(c.send_frame(attach_frame(t, req, transport::Access::read)));
+    auto f = c.read_frame();
+    ASSERT_TRUE(f) << c.error();
+    if (f->header.type == FrameType::attached) {
+      ++attached;
+      continue;
+    }
+    EXPECT_TRUE(is_status(f, req, ErrorCode::Unsupported, "too many attachments"));
+    break;
+  }
+  EXPECT_EQ(attached, 256u);
+}
+
 }  // namespace
 }  // namespace ferry
