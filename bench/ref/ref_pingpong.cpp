@@ -1,9 +1,13 @@
 // ferry-ref-pingpong: a blocking TCP ping-pong over 127.0.0.1 between two processes, the
 // reference for one small ferry operation and its acknowledgement. Per iteration the parent
 // sends SIZE bytes and waits for REPLY bytes back from a forked child; TCP_NODELAY on both
-// ends. Reports the round trip's percentiles.
+// ends. Reports the round trip's percentiles. With --outstanding N (> 1) the parent keeps N
+// requests unanswered (a pipelined request/response, as a region's transfers with N in
+// flight): it sends N, then per iteration takes one answer in and sends one more; round_trips_per_s
+// is then the answers per second (the percentiles time an answer's wait, not a round trip).
 //
 //   ferry-ref-pingpong --size 4096 --reply 64 --iters 20000
+//   ferry-ref-pingpong --size 64 --reply 4096 --outstanding 64 --iters 200000
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -29,6 +33,7 @@ int run(const Options& opts) {
   const std::size_t reply = opts.size("reply");
   const std::uint64_t iters = opts.size("iters");
   const std::uint64_t warmup = opts.size("warmup");
+  const std::uint64_t outstanding = opts.size("outstanding");
   if (size == 0 || reply == 0 || iters == 0)
     throw std::invalid_argument("--size, --reply and --iters must be > 0");
 
@@ -68,15 +73,30 @@ int run(const Options& opts) {
     if (!write_all(fd, out.data(), size) || !read_all(fd, in.data(), reply))
       throw std::runtime_error("the connection broke");
   };
-  for (std::uint64_t i = 0; i < warmup; ++i) round_trip();
-  Timed timed = time_iterations(iters, round_trip);
+  auto pipelined = [&] {
+    if (!read_all(fd, in.data(), reply) || !write_all(fd, out.data(), size))
+      throw std::runtime_error("the connection broke");
+  };
+  Timed timed;
+  if (outstanding > 1) {
+    for (std::uint64_t i = 0; i < outstanding; ++i)
+      if (!write_all(fd, out.data(), size)) throw std::runtime_error("the connection broke");
+    for (std::uint64_t i = 0; i < warmup; ++i) pipelined();
+    timed = time_iterations(iters, pipelined);
+    for (std::uint64_t i = 0; i < outstanding; ++i)
+      if (!read_all(fd, in.data(), reply)) throw std::runtime_error("the connection broke");
+  } else {
+    for (std::uint64_t i = 0; i < warmup; ++i) round_trip();
+    timed = time_iterations(iters, round_trip);
+  }
   ::close(fd);
   if (child.wait(5) != 0) throw std::runtime_error("the child failed");
 
   JsonObject out_json;
   out_json.add("tool", "ferry-ref-pingpong")
       .add("size", static_cast<std::uint64_t>(size))
-      .add("reply", static_cast<std::uint64_t>(reply));
+      .add("reply", static_cast<std::uint64_t>(reply))
+      .add("outstanding", std::max<std::uint64_t>(outstanding, 1));
   add_round_trips(out_json, iters, warmup, std::move(timed));
   out_json.print();
   return 0;
@@ -85,6 +105,12 @@ int run(const Options& opts) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return main_of(argc, argv, "ferry-ref-pingpong", "--size N --reply N --iters N [--warmup N]",
-                 {{"size", "4096"}, {"reply", "64"}, {"iters", "10000"}, {"warmup", "1000"}}, run);
+  return main_of(argc, argv, "ferry-ref-pingpong",
+                 "--size N --reply N --iters N [--warmup N] [--outstanding N]",
+                 {{"size", "4096"},
+                  {"reply", "64"},
+                  {"iters", "10000"},
+                  {"warmup", "1000"},
+                  {"outstanding", "1"}},
+                 run);
 }
