@@ -215,9 +215,9 @@ std::shared_ptr<detail::RegionTransfer> direct_transfer(
     if (d.device().kind() == DeviceKind::cuda) return nullptr;
     total += d.size();
   }
-  const unsigned need = kind == OperationKind::read ? 1u : 2u;
-  const auto allowed = static_cast<unsigned>(att->wanted.value_or(m.access));
-  if (total > kDirectMax || segments.size() > direct->max_segments() || (allowed & need) == 0)
+  const RegionAccess need = kind == OperationKind::read ? RegionAccess::read : RegionAccess::write;
+  if (total > kDirectMax || segments.size() > direct->max_segments() ||
+      !detail::region_allows(att->wanted.value_or(m.access), need))
     return nullptr;
   const auto access =
       kind == OperationKind::read ? transport::Access::read : transport::Access::write;
@@ -365,8 +365,7 @@ Attachment Connector::attach(const RegionMetadata& remote, AttachOptions options
   detail::Core& core = *core_;
   remote.validate();
   check_access(options.access);
-  if (options.access &&
-      (static_cast<unsigned>(*options.access) & ~static_cast<unsigned>(remote.access)) != 0)
+  if (options.access && !detail::region_allows(remote.access, *options.access))
     throw Error(ErrorCode::KindMismatch,
                 std::string("the region allows ") + to_string(remote.access) +
                     "; this attachment asked for " + to_string(*options.access));

@@ -22,6 +22,13 @@ namespace ferry::detail {
 
 class Core;
 
+/// The transport's name for a region access.
+inline transport::Access access_of(RegionAccess a) { return static_cast<transport::Access>(a); }
+/// Whether access `offered` covers all of `wanted`.
+inline bool region_allows(RegionAccess offered, RegionAccess wanted) {
+  return (static_cast<unsigned>(wanted) & ~static_cast<unsigned>(offered)) == 0;
+}
+
 /// A region's owner side (docs/regions.md): memory registered and served once on every
 /// transport that serves regions, for every peer that attaches. Loop thread, except where
 /// said; events and the open/closed state are guarded by `mu_` for readers on any thread.
