@@ -515,6 +515,17 @@ void Initiator::drive(Point& point, const std::shared_ptr<Thread>& thread) {
     // this thread, which starts the next operation in the slot.
     // The callback keeps the thread's state alive: it may still be returning when the
     // thread has taken its completion in and gone.
+    if (slot.op.status() == ferry::OperationStatus::complete) {
+      // Complete within the call (a region's small cma transfer, copied on this thread): its
+      // end is now, not when a callback queued to the loop would say so.
+      {
+        std::lock_guard lock(th.mu);
+        slot.done = returned;
+        slot.status = ferry::OperationStatus::complete;
+        th.done.push_back(i);
+      }
+      return true;
+    }
     slot.op.on_complete([thread, i](ferry::OperationStatus status, const ferry::Error* e) {
       const auto now = Clock::now();
       {
