@@ -31,6 +31,7 @@
 #include "tests/support/patterns.hpp"
 #include "transport/cma/cma_transport.hpp"
 #include "transport/kit/exposure_table.hpp"
+#include "transport/region.hpp"
 #include "transport/tcp/tcp_transport.hpp"
 #include "transport/transport.hpp"
 #if FERRY_HAS_VERBS
@@ -1464,6 +1465,276 @@ TEST_P(Conformance, ARangeInsideARegisteredOneReusesItsRegistration) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::ValuesIn(harnesses()), harness_name);
+
+// ---------------------------------------------------------------------------------------
+// Regions (docs/regions.md): the contracts above, per attachment. Every built-in method that
+// has a harness here serves regions; the fake transport does not (it keeps the defaults of
+// transport.hpp, refusing them), so it is not among these.
+
+/// What a region's owner hears, from its loop; sealed like Log.
+class RegionLog final : public RegionObserver {
+ public:
+  /// Runs on the owner's loop for each transfer notice, after it is recorded.
+  std::function<void(const RegionNotice&)> on_notice;
+
+  void on_attached(const Attachment& a) override { add("attached", a.id); }
+  void on_region_transfer(const RegionNotice& n) override {
+    add(n.error ? "transfer failed" : "transfer", n.attachment);
+    if (on_notice) on_notice(n);
+  }
+  void on_detached(std::uint64_t attachment, const std::optional<Error>&) override {
+    add("detached", attachment);
+  }
+  void seal() {
+    std::lock_guard lock(mu_);
+    sealed_ = true;
+  }
+  std::size_t after_seal() const {
+    std::lock_guard lock(mu_);
+    return after_seal_;
+  }
+  /// The attachments heard of, in order (waits for `n` of them).
+  std::vector<std::uint64_t> attached(std::size_t n) const {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, kWait, [&] { return attached_.size() >= n; });
+    return attached_;
+  }
+  std::size_t count(const std::string& what) const {
+    std::lock_guard lock(mu_);
+    std::size_t k = 0;
+    for (const auto& e : events_) k += e == what ? 1 : 0;
+    return k;
+  }
+
+ private:
+  void add(const std::string& what, std::uint64_t attachment) {
+    {
+      std::lock_guard lock(mu_);
+      events_.push_back(what);
+      if (what == "attached") attached_.push_back(attachment);
+      if (sealed_) ++after_seal_;
+    }
+    cv_.notify_all();
+  }
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::vector<std::string> events_;
+  std::vector<std::uint64_t> attached_;
+  bool sealed_ = false;
+  std::size_t after_seal_ = 0;
+};
+
+/// How an attachment fares, active side.
+class AttachLog final : public AttachObserver {
+ public:
+  void on_attached() override { set(1, std::nullopt); }
+  void on_attach_failed(const Error& e, bool) override { set(2, e); }
+  void on_detached(const Error& e) override { set(3, e); }
+  /// Waits for `state` (1 attached, 2 failed, 3 detached); false after kWait.
+  bool wait(int state) const {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, kWait, [&] { return state_ >= state; });
+  }
+
+ private:
+  void set(int state, std::optional<Error> e) {
+    {
+      std::lock_guard lock(mu_);
+      state_ = state;
+      error_ = std::move(e);
+    }
+    cv_.notify_all();
+  }
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  int state_ = 0;
+  std::optional<Error> error_;
+};
+
+std::vector<Harness> region_harnesses() {
+  return {
+    tcp_harness(), cma_harness(),
+#if FERRY_HAS_VERBS
+        verbs_harness(),
+#endif
+  };
+}
+
+class RegionConformance : public ::testing::TestWithParam<Harness>, public Rig {
+ protected:
+  RegionConformance() : Rig(GetParam()) {}
+
+  /// Serves `regions` of `owner` as a region of `access`.
+  RegionExposure serve(Side& owner, Access access, const std::vector<Region>& regions,
+                       RegionLog& log) {
+    RegionExposure r;
+    r.id = next_exposure_id++;
+    r.token = random_token();
+    r.access = access;
+    r.regions = regions;
+    info_ = owner.call([&] {
+      for (const Region& x : regions)
+        registrations_.push_back(owner.transport().register_exposed(x));
+      return owner.transport().serve_region(r, log);
+    });
+    return r;
+  }
+  /// Attaches `active` to `region` of `owner`; waits until attached.
+  std::unique_ptr<RemoteRegion> attach(Side& active, Side& owner, const RegionExposure& region,
+                                       AttachLog& log) {
+    AttachSpec spec;
+    spec.region = region.id;
+    spec.token = region.token;
+    spec.access = region.access;
+    spec.endpoint = owner.endpoint();
+    spec.endpoint.info = info_;
+    spec.peer_name = owner.params().name;
+    auto remote = active.call([&] { return active.transport().attach(spec, log); });
+    EXPECT_TRUE(log.wait(1)) << "not attached";
+    return remote;
+  }
+  /// A transfer of `local` on `remote`, the whole region of `remote_regions`.
+  Running transfer(Side& active, RemoteRegion& remote, Access access,
+                   const std::vector<Region>& remote_regions, const std::vector<Region>& local,
+                   TransferLog& log) {
+    TransferSpec spec;
+    spec.access = access;
+    spec.segments = match(remote_regions, local);
+    spec.region_tag = "conformance";
+    auto t = active.call([&] { return remote.start(std::move(spec), log); });
+    return Running(active, std::move(t));
+  }
+  /// Drops the RemoteRegion on its loop.
+  static void drop(Side& active, std::unique_ptr<RemoteRegion>& remote) {
+    active.call([&] { remote.reset(); });
+  }
+
+  std::string info_;
+  std::vector<std::shared_ptr<const Registration>> registrations_;
+};
+
+TEST_P(RegionConformance, RevokingAnAttachmentMidWriteStopsEveryLaterWrite) {
+  Side& owner = side("owner");
+  Side& active = side("active", kSlowChunk);
+  Pieces& dst = memory({kBig}, 0);
+  Pieces& src = memory({kBig}, 31);
+  RegionLog rlog;
+  AttachLog alog;
+  TransferLog& tlog = transfer_log();
+  RegionExposure region = serve(owner, Access::write, dst.regions(), rlog);
+  auto remote = attach(active, owner, region, alog);
+  ASSERT_TRUE(remote);
+  const std::uint64_t att = rlog.attached(1).at(0);
+  Running t = transfer(active, *remote, Access::write, dst.regions(), src.regions(), tlog);
+  bool finished_first = false;
+  ASSERT_TRUE(on_loop_when(owner, [&] {
+    if (!landed(dst.data(), kMid, 31)) return false;
+    finished_first = landed(dst.data(), kBig - 64, 31);
+    owner.transport().revoke_attachment(att, Error(ErrorCode::Cancelled, "revoked by the test"));
+    rlog.seal();
+    std::memset(dst.data(), static_cast<int>(kPoison), kBig);
+    return true;
+  })) << "the write never reached the middle of the memory";
+  ASSERT_FALSE(finished_first) << "the transfer ended before the revoke; it must be slower";
+  expect_refused_after_revoke(tlog.wait_end());
+  EXPECT_TRUE(alog.wait(3)) << "the peer did not hear it was revoked";
+  owner.settle();
+  active.settle();
+  EXPECT_TRUE(owner.call([&] { return all_are(dst.data(), kBig, kPoison); }))
+      << "bytes were written into the memory after revoke_attachment() returned";
+  EXPECT_TRUE(dst.guards_intact());
+  EXPECT_EQ(rlog.after_seal(), 0u);
+  // The attachment is over: no transfer starts on it.
+  EXPECT_THROW(
+      (void)transfer(active, *remote, Access::write, dst.regions(), src.regions(), transfer_log()),
+      Error);
+  t.reset();
+  drop(active, remote);
+}
+
+TEST_P(RegionConformance, EndingTheRegionStopsEveryAttachmentAndRefusesNewOnes) {
+  Side& owner = side("owner");
+  Side& a = side("a", kSlowChunk);
+  Side& b = side("b", kSlowChunk);
+  Pieces& dst = memory({kBig}, 0);
+  Pieces& src = memory({kBig}, 32);
+  RegionLog rlog;
+  AttachLog alog_a, alog_b;
+  TransferLog& ta = transfer_log();
+  TransferLog& tb = transfer_log();
+  RegionExposure region = serve(owner, Access::write, dst.regions(), rlog);
+  auto ra = attach(a, owner, region, alog_a);
+  auto rb = attach(b, owner, region, alog_b);
+  ASSERT_TRUE(ra && rb);
+  EXPECT_EQ(rlog.attached(2).size(), 2u);
+  Running t1 = transfer(a, *ra, Access::write, dst.regions(), src.regions(), ta);
+  Running t2 = transfer(b, *rb, Access::write, dst.regions(), src.regions(), tb);
+  ASSERT_TRUE(on_loop_when(owner, [&] {
+    if (!landed(dst.data(), kMid, 32)) return false;
+    owner.transport().end_region(region.id, Error(ErrorCode::Cancelled, "revoked by the test"));
+    rlog.seal();
+    std::memset(dst.data(), static_cast<int>(kPoison), kBig);
+    return true;
+  }));
+  expect_refused_after_revoke(ta.wait_end());
+  expect_refused_after_revoke(tb.wait_end());
+  owner.settle();
+  a.settle();
+  b.settle();
+  EXPECT_TRUE(owner.call([&] { return all_are(dst.data(), kBig, kPoison); }))
+      << "bytes were written into the memory after end_region() returned";
+  EXPECT_EQ(rlog.after_seal(), 0u);
+  // Attaching again with the region's token is refused.
+  AttachLog late;
+  AttachSpec spec;
+  spec.region = region.id;
+  spec.token = region.token;
+  spec.access = Access::write;
+  spec.endpoint = owner.endpoint();
+  spec.endpoint.info = info_;
+  spec.peer_name = "owner";
+  Side& c = side("c");
+  auto rc = c.call([&] { return c.transport().attach(spec, late); });
+  EXPECT_TRUE(late.wait(2));
+  t1.reset();
+  t2.reset();
+  drop(a, ra);
+  drop(b, rb);
+  drop(c, rc);
+}
+
+TEST_P(RegionConformance, AWritesNoticeComesOnlyOnceItsBytesAreIn) {
+  Side& owner = side("owner");
+  Side& active = side("active");
+  Pieces& dst = memory({kMid}, 0);
+  Pieces& src = memory({kMid}, 33);
+  RegionLog rlog;
+  AttachLog alog;
+  std::atomic<int> notices{0};
+  std::atomic<bool> in_place{false};
+  rlog.on_notice = [&](const RegionNotice& n) {
+    // On the owner's loop: the bytes must be there now.
+    in_place = !n.error && test::first_mismatch(dst.data(), kMid, 33) == -1;
+    ++notices;
+  };
+  TransferLog& tlog = transfer_log();
+  RegionExposure region = serve(owner, Access::write, dst.regions(), rlog);
+  auto remote = attach(active, owner, region, alog);
+  ASSERT_TRUE(remote);
+  Running t = transfer(active, *remote, Access::write, dst.regions(), src.regions(), tlog);
+  auto end = tlog.wait_end();
+  ASSERT_TRUE(end.has_value());
+  ASSERT_EQ(end->call, Call::complete) << (end->error ? end->error->what() : "");
+  ASSERT_TRUE(on_loop_when(owner, [&] { return notices.load() == 1; }));
+  EXPECT_TRUE(in_place.load());
+  t.reset();
+  drop(active, remote);
+  // The owner hears the peer detach.
+  EXPECT_TRUE(on_loop_when(owner, [&] { return rlog.count("detached") == 1; }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RegionConformance, ::testing::ValuesIn(region_harnesses()),
+                         harness_name);
 
 }  // namespace
 }  // namespace ferry::transport
