@@ -828,7 +828,14 @@ void server_side(Input& in, World& w) {
       in_frame = false;
       break;
     }
-    if (type == 7) h.type = static_cast<std::uint8_t>(7 + in.u8() % 249);  // unknown type
+    if (type == 7) {
+      // A type no client sends a tcp server: the same-host and server-side ones (7, 8, 10),
+      // and those no ferry knows (13 and up). ATTACH, ENDED and DETACH (9, 11, 12) are a
+      // client's, and served: the server does not close for them.
+      const std::uint8_t v = in.u8() % 246;
+      static constexpr std::uint8_t kNotServed[] = {7, 8, 10};
+      h.type = v < 3 ? kNotServed[v] : static_cast<std::uint8_t>(13 + (v - 3));
+    }
     if (type == DONE) {
       h.flags = static_cast<std::uint16_t>(in.u8() % 4);
       h.status = in.u8() % 4 == 0 ? in.u8() % 18u : 0u;
