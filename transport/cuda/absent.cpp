@@ -44,7 +44,8 @@ void Stager::fill(std::uint64_t, Done) { throw Error(ErrorCode::Unsupported, kAb
 void Stager::drain(std::uint64_t, Done) { throw Error(ErrorCode::Unsupported, kAbsent); }
 void Stager::close(std::uint64_t) {}
 void Stager::drop(std::uint64_t) {}
-bool Stager::copying(std::uint64_t) const { return false; }
+bool Stager::copying(std::uint64_t, std::uint64_t) const { return false; }
+std::uint64_t Stager::last_unit() const noexcept { return 0; }
 std::size_t Stager::held() const noexcept { return 0; }
 
 }  // namespace ferry::transport::cuda
