@@ -74,39 +74,62 @@ bool recv_all(int fd, void* data, std::size_t size) {
   return true;
 }
 
-void RawTcpRequestResponse(benchmark::State& state) {
-  const auto size = static_cast<std::size_t>(state.range(0));
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  ::listen(listener, 1);
-  socklen_t len = sizeof addr;
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  std::vector<char> src(size, 'x');
-  std::thread server([&] {
-    int fd = ::accept(listener, nullptr, nullptr);
+// A blocking TCP pair on loopback, TCP_NODELAY on both ends: a server thread answers every
+// 64-byte request with SIZE bytes, until the client closes.
+class RequestResponsePair {
+ public:
+  explicit RequestResponsePair(std::size_t size) : src_(size, 'x') {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    ::listen(listener_, 1);
+    socklen_t len = sizeof addr;
+    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len);
+    server_ = std::thread([this] {
+      int fd = ::accept(listener_, nullptr, nullptr);
+      no_delay(fd);
+      char request[64];
+      while (recv_all(fd, request, sizeof request)) send_all(fd, src_.data(), src_.size());
+      ::close(fd);
+    });
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    no_delay(fd_);
+    if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+      throw std::runtime_error("connect");
+  }
+  ~RequestResponsePair() {
+    ::shutdown(fd_, SHUT_WR);
+    ::close(fd_);
+    server_.join();
+    ::close(listener_);
+  }
+  void request() {
+    static const char kRequest[64] = {};
+    send_all(fd_, kRequest, sizeof kRequest);
+  }
+  void answer(char* into) { recv_all(fd_, into, src_.size()); }
+
+ private:
+  static void no_delay(int fd) {
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    char request[64];
-    while (recv_all(fd, request, sizeof request)) send_all(fd, src.data(), size);
-    ::close(fd);
-  });
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
-    throw std::runtime_error("connect");
-  std::vector<char> dst(size);
-  char request[64] = {};
-  for (auto _ : state) {
-    send_all(fd, request, sizeof request);
-    recv_all(fd, dst.data(), size);
   }
-  ::close(fd);
-  server.join();
-  ::close(listener);
+  std::vector<char> src_;
+  int listener_ = -1;
+  int fd_ = -1;
+  std::thread server_;
+};
+
+void RawTcpRequestResponse(benchmark::State& state) {
+  const auto size = static_cast<std::size_t>(state.range(0));
+  RequestResponsePair pair(size);
+  std::vector<char> dst(size);
+  for (auto _ : state) {
+    pair.request();
+    pair.answer(dst.data());
+  }
   set_bytes(state);
 }
 
@@ -321,40 +344,14 @@ void FerryReadPipelined(benchmark::State& state, const std::string& method) {
 // bytes; the client keeps 64 unanswered.
 void RawTcpPipelined(benchmark::State& state) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  ::listen(listener, 1);
-  socklen_t len = sizeof addr;
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  std::vector<char> src(size, 'x');
-  std::thread server([&] {
-    int fd = ::accept(listener, nullptr, nullptr);
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    char request[64];
-    while (recv_all(fd, request, sizeof request)) send_all(fd, src.data(), size);
-    ::close(fd);
-  });
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
-    throw std::runtime_error("connect");
+  RequestResponsePair pair(size);
   std::vector<char> dst(size);
-  char request[64] = {};
-  for (std::size_t i = 0; i < kInFlight; ++i) send_all(fd, request, sizeof request);
+  for (std::size_t i = 0; i < kInFlight; ++i) pair.request();
   for (auto _ : state) {
-    recv_all(fd, dst.data(), size);
-    send_all(fd, request, sizeof request);
+    pair.answer(dst.data());
+    pair.request();
   }
-  for (std::size_t i = 0; i < kInFlight; ++i) recv_all(fd, dst.data(), size);
-  ::shutdown(fd, SHUT_WR);
-  ::close(fd);
-  server.join();
-  ::close(listener);
+  for (std::size_t i = 0; i < kInFlight; ++i) pair.answer(dst.data());
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));
   set_bytes(state);
 }

@@ -46,6 +46,18 @@ const Window* window_of(const VerbsTransfer& t, std::uint64_t remote) {
 
 }  // namespace
 
+std::vector<Window> windows_of(const std::string& payload) {
+  std::vector<Window> out(payload.size() / 24);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    std::memcpy(&out[i].addr, payload.data() + i * 24, 8);
+    std::memcpy(&out[i].len, payload.data() + i * 24 + 8, 8);
+    std::memcpy(&out[i].rkey, payload.data() + i * 24 + 16, 4);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const Window& a, const Window& b) { return a.addr < b.addr; });
+  return out;
+}
+
 VerbsClient::VerbsClient(VerbsTransport& t, Defer defer)
     : t_(t),
       pending_([this](std::uint64_t conn, int delta) {
@@ -174,14 +186,7 @@ void VerbsClient::on_reply(Conn& conn, const FrameHeader& h, std::string msg, st
     return;
   }
   t->secret = h.token;
-  t->windows.resize(payload.size() / 24);
-  for (std::size_t i = 0; i < t->windows.size(); ++i) {
-    std::memcpy(&t->windows[i].addr, payload.data() + i * 24, 8);
-    std::memcpy(&t->windows[i].len, payload.data() + i * 24 + 8, 8);
-    std::memcpy(&t->windows[i].rkey, payload.data() + i * 24 + 16, 4);
-  }
-  std::sort(t->windows.begin(), t->windows.end(),
-            [](const Window& a, const Window& b) { return a.addr < b.addr; });
+  t->windows = windows_of(payload);
   conn.ready.push_back(t->id());
   pump(conn);
 }

@@ -75,14 +75,7 @@ void VerbsClient::attach_answered(Conn& conn, VerbsRemoteRegion& region, const F
   }
   region.attachment = h.op_id;
   region.secret = h.token;
-  region.windows.resize(payload.size() / 24);
-  for (std::size_t i = 0; i < region.windows.size(); ++i) {
-    std::memcpy(&region.windows[i].addr, payload.data() + i * 24, 8);
-    std::memcpy(&region.windows[i].len, payload.data() + i * 24 + 8, 8);
-    std::memcpy(&region.windows[i].rkey, payload.data() + i * 24 + 16, 4);
-  }
-  std::sort(region.windows.begin(), region.windows.end(),
-            [](const Window& a, const Window& b) { return a.addr < b.addr; });
+  region.windows = windows_of(payload);
   (void)conn;
   region.on_attach();
 }

@@ -19,6 +19,18 @@ using wire::FrameType;
 
 void* id_ptr(std::uint64_t id) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(id)); }
 
+/// CLAIMED's and ATTACHED's payload: each window as (addr, len, rkey) in 8 + 8 + 4 bytes, padded
+/// to 24.
+std::string keys_body(const std::vector<Window>& windows) {
+  std::string body(windows.size() * 24, '\0');
+  for (std::size_t i = 0; i < windows.size(); ++i) {
+    std::memcpy(body.data() + i * 24, &windows[i].addr, 8);
+    std::memcpy(body.data() + i * 24 + 8, &windows[i].len, 8);
+    std::memcpy(body.data() + i * 24 + 16, &windows[i].rkey, 4);
+  }
+  return body;
+}
+
 }  // namespace
 
 VerbsServer::VerbsServer(VerbsTransport& t, Defer defer)
@@ -290,12 +302,7 @@ void VerbsServer::serve_claim(Conn& conn, const FrameHeader& h, const std::strin
   t_.counters_.windows_bound += binds.size();
   // The binds go first on the same send queue: the peer has the keys only after they hold.
   for (CtlItem& b : binds) conn.bind(std::move(b));
-  std::string body(out.size() * 24, '\0');
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    std::memcpy(body.data() + i * 24, &out[i].addr, 8);
-    std::memcpy(body.data() + i * 24 + 8, &out[i].len, 8);
-    std::memcpy(body.data() + i * 24 + 16, &out[i].rkey, 4);
-  }
+  const std::string body = keys_body(out);
   FrameHeader answer;
   answer.type = FrameType::claimed;
   answer.req_id = h.req_id;
@@ -385,12 +392,7 @@ void VerbsServer::serve_attach(Conn& conn, const FrameHeader& h) {
   t_.counters_.windows_bound += binds.size();
   // The binds go first on the same send queue: the peer has the keys only after they hold.
   for (CtlItem& b : binds) conn.bind(std::move(b));
-  std::string body(out.size() * 24, '\0');
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    std::memcpy(body.data() + i * 24, &out[i].addr, 8);
-    std::memcpy(body.data() + i * 24 + 8, &out[i].len, 8);
-    std::memcpy(body.data() + i * 24 + 16, &out[i].rkey, 4);
-  }
+  const std::string body = keys_body(out);
   FrameHeader answer;
   answer.type = FrameType::attached;
   answer.req_id = h.req_id;

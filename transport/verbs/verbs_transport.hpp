@@ -146,6 +146,10 @@ class VerbsServer {
 
 class VerbsClient;
 
+/// The windows of a CLAIMED's or ATTACHED's payload (24 bytes each: addr, len, rkey), sorted
+/// by address.
+std::vector<Window> windows_of(const std::string& payload);
+
 /// An attachment to a peer's region by verbs, the active side: ATTACH on the connection to the
 /// owner, answered with keys of its own; then every transfer posts its work requests under
 /// them at once and ends with a one-way ENDED, a SEND behind its data (docs/regions.md).
