@@ -162,14 +162,14 @@ void Memcpy(benchmark::State& state) {
   set_bytes(state);
 }
 
-/// Connector options that offer `method` alone; empty when this host cannot offer it (the
-/// benchmark is then skipped with `why`).
-std::optional<ferry::ConnectorOptions> only(const std::string& method, std::string& why) {
+/// Connector options that offer `method` alone; empty when this host cannot offer it, and the
+/// benchmark is then skipped, saying why.
+std::optional<ferry::ConnectorOptions> only(benchmark::State& state, const std::string& method) {
   ferry::ConnectorOptions o;
   o.transports = {method};
   for (const ferry::MethodInfo& m : ferry::probe_methods(o))
     if (m.method == method && !m.available) {
-      why = method + " is not offered here: " + m.detail;
+      state.SkipWithError((method + " is not offered here: " + m.detail).c_str());
       return std::nullopt;
     }
   return o;
@@ -177,12 +177,8 @@ std::optional<ferry::ConnectorOptions> only(const std::string& method, std::stri
 
 void FerryRead(benchmark::State& state, const std::string& method) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  std::string why;
-  auto options = only(method, why);
-  if (!options) {
-    state.SkipWithError(why.c_str());
-    return;
-  }
+  auto options = only(state, method);
+  if (!options) return;
   ferry::Connector owner(*options);
   ferry::Connector peer(*options);
   std::vector<std::byte> src(size, std::byte{1});
@@ -202,12 +198,8 @@ void FerryRead(benchmark::State& state, const std::string& method) {
 
 void FerryWrite(benchmark::State& state, const std::string& method) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  std::string why;
-  auto options = only(method, why);
-  if (!options) {
-    state.SkipWithError(why.c_str());
-    return;
-  }
+  auto options = only(state, method);
+  if (!options) return;
   ferry::Connector owner(*options);
   ferry::Connector peer(*options);
   std::vector<std::byte> src(size, std::byte{1});
@@ -247,12 +239,8 @@ struct RegionPair {
 
 void RegionTransfer(benchmark::State& state, const std::string& method, bool read) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  std::string why;
-  auto options = only(method, why);
-  if (!options) {
-    state.SkipWithError(why.c_str());
-    return;
-  }
+  auto options = only(state, method);
+  if (!options) return;
   std::vector<std::byte> pool(size, std::byte{1});
   std::vector<std::byte> local(size);
   std::optional<RegionPair> pair;
@@ -304,12 +292,8 @@ void pipelined(benchmark::State& state, Start&& start) {
 
 void RegionReadPipelined(benchmark::State& state, const std::string& method) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  std::string why;
-  auto options = only(method, why);
-  if (!options) {
-    state.SkipWithError(why.c_str());
-    return;
-  }
+  auto options = only(state, method);
+  if (!options) return;
   std::vector<std::byte> pool(size * kInFlight, std::byte{1});
   std::vector<std::byte> local(size * kInFlight);
   RegionPair pair(*options, pool, size);
@@ -321,12 +305,8 @@ void RegionReadPipelined(benchmark::State& state, const std::string& method) {
 
 void FerryReadPipelined(benchmark::State& state, const std::string& method) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  std::string why;
-  auto options = only(method, why);
-  if (!options) {
-    state.SkipWithError(why.c_str());
-    return;
-  }
+  auto options = only(state, method);
+  if (!options) return;
   ferry::Connector owner(*options);
   ferry::Connector peer(*options);
   std::vector<std::byte> src(size * kInFlight, std::byte{1});
@@ -361,12 +341,8 @@ constexpr std::size_t kKvBlocks = 1024;
 
 // A KV cache of 1024 blocks: read all of it, as one range into one descriptor or by block ids.
 void Kv(benchmark::State& state, const std::string& method, bool by_blocks) {
-  std::string why;
-  auto options = only(method, why);
-  if (!options) {
-    state.SkipWithError(why.c_str());
-    return;
-  }
+  auto options = only(state, method);
+  if (!options) return;
   std::vector<std::byte> pool(kKvBlock * kKvBlocks, std::byte{1});
   RegionPair pair(*options, pool, kKvBlock);
   // By blocks: the remote blocks in a scattered order (i * 7 mod 1024), into separate pages
