@@ -191,8 +191,7 @@ void expect_peer_lost_in_time(const Operation& op, const std::string& peer_name)
 
 TEST(PeerKilled, ActiveReaderKilledErrorsOurReadable) {
   Connector connector(test::named("parent"));
-  auto src = std::make_unique<std::byte[]>(kBig);
-  std::memset(src.get(), 0x5a, kBig);
+  auto src = test::filled(kBig, std::byte{0x5a});
   auto readable = connector.create_readable({Descriptor(src.get(), kBig)});
   ChildProcess child(peer_command({"doomed-reader"}));
   child.send_line("start_read " + readable.metadata().to_json());
@@ -208,8 +207,7 @@ TEST(PeerKilled, ActiveReaderKilledErrorsOurReadable) {
 // peer_timeout (2 s by default), the passive side too.
 TEST(PeerStopped, ActiveReaderStoppedErrorsOurReadableWithinPeerTimeout) {
   Connector connector(test::named("parent"));
-  auto src = std::make_unique<std::byte[]>(kBig);
-  std::memset(src.get(), 0x5a, kBig);
+  auto src = test::filled(kBig, std::byte{0x5a});
   auto readable = connector.create_readable({Descriptor(src.get(), kBig)});
   ChildProcess child(peer_command({"frozen-reader"}));
   child.send_line("start_read " + readable.metadata().to_json());
@@ -235,7 +233,7 @@ TEST(PeerKilled, PassiveOwnerKilledErrorsOurRead) {
   std::string meta_line = child.read_line();
   ASSERT_EQ(meta_line.rfind("META ", 0), 0u) << meta_line;
   auto meta = RdmaMetadata::from_json(meta_line.substr(5));
-  auto dst = std::make_unique<std::byte[]>(kBig);
+  auto dst = test::filled(kBig, std::byte{0});
   auto read = connector.begin_read(meta, {Descriptor(dst.get(), kBig)});
   ASSERT_TRUE(eventually(
       [&] {

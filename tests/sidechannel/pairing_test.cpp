@@ -394,8 +394,7 @@ TEST(PairingAcrossProcesses, ActiveReaderKilledErrorsThePassiveSideNamingIt) {
   test::NatsServer server;
   Connector us(nats_options("parent", {server.url()}));
   constexpr std::size_t kBig = std::size_t{512} << 20;
-  auto src = std::make_unique<std::byte[]>(kBig);
-  std::memset(src.get(), 0x5a, kBig);
+  auto src = test::filled(kBig, std::byte{0x5a});
   auto readable = us.create_readable({Descriptor(src.get(), kBig)}, at("x.doomed"));
   test::ChildProcess child(test::peer_command({"doomed-reader"}),
                            {"FERRY_NATS_URL=" + server.url()});

@@ -135,7 +135,7 @@ inline void expect_owner_killed_mid_read(Connector& us, ChildProcess& child,
   using namespace std::chrono_literals;
   child.send_line("readable " + std::to_string(size) + " 77");
   auto meta = RdmaMetadata::from_json(expect_prefix(child.read_line(60s), "META "));
-  auto dst = std::make_unique<std::byte[]>(size);
+  auto dst = test::filled(size, std::byte{0});
   auto read = us.begin_read(meta, {Descriptor(dst.get(), size)});
   ASSERT_TRUE(eventually(
       [&] { return first_mismatch(peek(dst.get(), 64 << 10).data(), 64 << 10, 77) < 0; }, 30s))

@@ -1,5 +1,7 @@
 #include "tests/support/patterns.hpp"
 
+#include <cstring>
+
 #if defined(__SANITIZE_THREAD__)
 #define FERRY_TEST_TSAN 1
 #elif defined(__has_feature)
@@ -66,6 +68,13 @@ __attribute__((no_sanitize("thread"))) long long not_in(const std::byte* data, s
   return -1;
 }
 
+__attribute__((no_sanitize("thread"))) long long neither_in(const std::byte* data, std::size_t size,
+                                                            std::byte a, std::byte b) {
+  for (std::size_t i = 0; i < size; ++i)
+    if (data[i] != a && data[i] != b) return static_cast<long long>(i);
+  return -1;
+}
+
 }  // namespace
 
 long long first_mismatch(const std::byte* data, std::size_t size, std::uint64_t seed,
@@ -77,6 +86,17 @@ long long first_mismatch(const std::byte* data, std::size_t size, std::uint64_t 
 long long first_not(const std::byte* data, std::size_t size, std::byte value) {
   sample_for_tsan(data, size);
   return not_in(data, size, value);
+}
+
+long long first_not_either(const std::byte* data, std::size_t size, std::byte a, std::byte b) {
+  sample_for_tsan(data, size);
+  return neither_in(data, size, a, b);
+}
+
+std::unique_ptr<std::byte[]> filled(std::size_t size, std::byte value) {
+  auto buf = std::make_unique_for_overwrite<std::byte[]>(size);
+  std::memset(buf.get(), static_cast<int>(value), size);
+  return buf;
 }
 
 std::vector<std::byte> buffer(std::size_t size) { return std::vector<std::byte>(size); }

@@ -92,9 +92,7 @@ void say(const std::string& line) {
 
 // A buffer that is not filled byte by byte: large kill-test buffers are only touched once.
 std::unique_ptr<std::byte[]> make_buffer(std::size_t size) {
-  auto buf = std::make_unique<std::byte[]>(size);
-  std::memset(buf.get(), 0, size);
-  return buf;
+  return test::filled(size, std::byte{0});
 }
 
 #if defined(__x86_64__)
