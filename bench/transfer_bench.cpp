@@ -20,7 +20,8 @@
 //   KvOneDescriptor / KvBlocks
 //                          a KV cache of 1024 x 16 KiB blocks read from a region: one 16 MiB
 //                          range into one descriptor, or by block ids (the remote blocks in a
-//                          scattered order) into 1024 separate local pages
+//                          scattered order) into 1024 separate local pages; RawKvOneRange and
+//                          RawKvBlocks: the same copies by one bare process_vm_readv
 //
 //   build/bench/ferry_transfer_bench --benchmark_counters_tabular=true
 //   build/bench/ferry_transfer_bench --benchmark_filter='Ferry|Memcpy'   (see README.md)
@@ -363,6 +364,38 @@ void Kv(benchmark::State& state, const std::string& method, bool by_blocks) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * pool.size()));
 }
 
+// The KV rows' copies without ferry: one process_vm_readv of this process, of the 1024 blocks in
+// the same scattered order into the same separate pages (one call: 1024 iovecs each side, the
+// kernel's IOV_MAX), or of one 16 MiB range. What the kernel makes of scattered blocks apart from
+// ferry: KvBlocks/cma against RawKvBlocks, KvOneDescriptor/cma against RawKvOneRange.
+void RawKv(benchmark::State& state, bool by_blocks) {
+  std::vector<std::byte> pool(kKvBlock * kKvBlocks, std::byte{1});
+  std::vector<std::byte> local(kKvBlock * kKvBlocks * (by_blocks ? 2 : 1));
+  std::vector<iovec> to;
+  std::vector<iovec> from;
+  if (by_blocks) {
+    for (std::size_t i = 0; i < kKvBlocks; ++i) {
+      to.push_back({local.data() + 2 * i * kKvBlock, kKvBlock});
+      from.push_back({pool.data() + ((i * 7) % kKvBlocks) * kKvBlock, kKvBlock});
+    }
+  } else {
+    to.push_back({local.data(), pool.size()});
+    from.push_back({pool.data(), pool.size()});
+  }
+  for (auto _ : state) {
+    if (::process_vm_readv(::getpid(), to.data(), to.size(), from.data(), from.size(), 0) !=
+        static_cast<ssize_t>(pool.size())) {
+      state.SkipWithError("process_vm_readv failed");
+      break;
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * pool.size()));
+}
+
+void RawKvBlocks(benchmark::State& state) { RawKv(state, true); }
+void RawKvOneRange(benchmark::State& state) { RawKv(state, false); }
+
 void KvOneDescriptor(benchmark::State& state, const std::string& method) {
   Kv(state, method, false);
 }
@@ -383,6 +416,8 @@ BENCHMARK(RawTcpPipelined)->Arg(4096)->UseRealTime();
 BENCHMARK_CAPTURE(FerryReadPipelined, tcp, std::string("tcp"))->Arg(4096)->UseRealTime();
 BENCHMARK_CAPTURE(RegionReadPipelined, tcp, std::string("tcp"))->Arg(4096)->UseRealTime();
 BENCHMARK_CAPTURE(RegionReadPipelined, cma, std::string("cma"))->Arg(4096)->UseRealTime();
+BENCHMARK(RawKvOneRange)->UseRealTime();
+BENCHMARK(RawKvBlocks)->UseRealTime();
 BENCHMARK_CAPTURE(KvOneDescriptor, tcp, std::string("tcp"))->UseRealTime();
 BENCHMARK_CAPTURE(KvBlocks, tcp, std::string("tcp"))->UseRealTime();
 BENCHMARK_CAPTURE(KvOneDescriptor, cma, std::string("cma"))->UseRealTime();
