@@ -3,7 +3,9 @@
 //
 // The first input byte picks the side:
 //   even: server side. A Connector owns a live readable and a live writable over memory with
-//         canaries around it; a raw socket connects to its listener and sends a sequence of
+//         canaries around it (one input in three: a readable region in the readable's place,
+//         which the raw client attaches to first, then names in its requests, ENDED and DETACH
+//         frames); a raw socket connects to its listener and sends a sequence of
 //         frames built from the input (HELLO first most of the time; op_id, token and addr
 //         taken from the live operations with some probability, so that the checks on every
 //         request are reached, else made up), then reads what comes back.
@@ -86,7 +88,11 @@ enum Type : std::uint8_t {
   WRITE = 4,
   STATUS = 5,
   DONE = 6,
-  CLAIMED = 7
+  CLAIMED = 7,
+  ATTACH = 9,
+  ATTACHED = 10,
+  ENDED = 11,
+  DETACH = 12
 };
 
 using Token = std::array<std::uint8_t, 16>;
@@ -149,7 +155,7 @@ Header decode(const std::uint8_t* b) {
   return h;
 }
 
-bool has_payload(std::uint8_t type) { return type == DATA || type == WRITE; }
+bool has_payload(std::uint8_t type) { return type == DATA || type == WRITE || type == ENDED; }
 
 // ---- findings ----
 
@@ -373,8 +379,8 @@ class FrameReader {
     if (buf_.size() < kHeaderSize) return std::nullopt;
     Frame f;
     f.h = decode(reinterpret_cast<const std::uint8_t*>(buf_.data()));
-    if (f.h.magic != kMagic || f.h.version != kVersion || f.h.type < HELLO || f.h.type > CLAIMED ||
-        f.h.msg_len > kMaxMessage) {
+    if (f.h.magic != kMagic || f.h.version != kVersion || f.h.type < HELLO ||
+        (f.h.type > CLAIMED && f.h.type != ATTACHED) || f.h.msg_len > kMaxMessage) {
       bad = "malformed header: magic " + std::to_string(f.h.magic) + " version " +
             std::to_string(f.h.version) + " type " + std::to_string(f.h.type) + " msg_len " +
             std::to_string(f.h.msg_len);
@@ -648,7 +654,9 @@ struct ReadSent {
 
 struct ServerSide {
   Guarded* readable_mem = nullptr;
-  Live readable;
+  Live readable;                 // in region mode: the attachment, once ATTACHED names it
+  std::uint64_t attach_req = 0;  // region mode: the ATTACH's request id (0: none sent)
+  bool attached = false;
   std::multimap<std::uint64_t, ReadSent> reads;  // by req_id
   Live writable;
   std::vector<bool> written = std::vector<bool>(kWritableSize);  // bytes some WRITE may have set
@@ -677,8 +685,21 @@ struct ServerSide {
   // readable's id and token within its memory, and holding exactly that memory's bytes.
   void check(const Frame& f) {
     if (!problem.empty()) return;
-    if (f.h.type != HELLO && f.h.type != DATA && f.h.type != STATUS && f.h.type != CLAIMED) {
+    if (f.h.type != HELLO && f.h.type != DATA && f.h.type != STATUS && f.h.type != CLAIMED &&
+        f.h.type != ATTACHED) {
       problem = "the server sent a frame of client type " + std::to_string(f.h.type);
+      return;
+    }
+    if (f.h.type == ATTACHED) {
+      // Only the ATTACH this side sent with the region's id and token may be answered so, once.
+      if (attach_req == 0 || f.h.req_id != attach_req || attached || !f.payload.empty()) {
+        problem = "the server sent ATTACHED for request " + std::to_string(f.h.req_id) +
+                  ", which is no ATTACH with the region's token";
+        return;
+      }
+      attached = true;
+      readable.op_id = f.h.op_id;
+      readable.token = f.h.token;
       return;
     }
     // A claim names one of the two live operations (never one the client guessed wrong).
@@ -776,14 +797,47 @@ Header request_header(Input& in, std::uint8_t type, const Live& target, const Li
   return h;
 }
 
-void server_side(Input& in, World& w) {
+/// Region mode's ATTACH: the region's id and token (flags from the input: 1 is the read the
+/// region allows, 2 and 3 ask for more and are refused, 0 is no access at all).
+Header attach_header(Input& in, const ferry::RegionMetadata& m, std::uint64_t req_id) {
+  Header h;
+  h.type = ATTACH;
+  h.req_id = req_id;
+  h.op_id = parse_hex(m.region_id);
+  if (!token_of(m.token, h.token)) finding("region token is not 32 hex digits: " + m.token);
+  h.flags = static_cast<std::uint16_t>(in.u8() % 8 < 6 ? 1 : in.u8() % 4);
+  return h;
+}
+
+/// An ENDED's payload: (addr, len) pairs, mostly inside the region, some not.
+std::string ended_ranges(Input& in, const Live& region) {
+  std::string payload;
+  const int n = in.u8() % 5;
+  for (int i = 0; i < n; ++i) {
+    std::uint8_t pair[16];
+    std::uint64_t addr = region.base + in.u16() % (region.size + 1);
+    std::uint64_t len = in.u16() % (region.size + 1);
+    if (in.u8() % 4 == 0) {
+      addr = in.u64();
+      len = in.u64();
+    }
+    put_le(pair, addr);
+    put_le(pair + 8, len);
+    payload.append(reinterpret_cast<const char*>(pair), sizeof pair);
+  }
+  return payload;
+}
+
+void server_side(Input& in, World& w, bool region_mode) {
   static Guarded readable_mem(kReadableSize, 1);
   static Guarded writable_mem(kWritableSize, 2);
+  static Guarded region_mem(kReadableSize, 3);
   // The previous iteration's operations are gone (their handles cancelled them on the way
   // out), so nothing touches this memory any more.
   readable_mem.reset();
   writable_mem.reset();
   writable_mem.make_gap(kWritableA, kWritableA + kWritableGap);
+  region_mem.reset();
 
   auto readable = w.owner->create_readable(
       {ferry::Descriptor(readable_mem.body(), kReadableSplit),
@@ -791,11 +845,30 @@ void server_side(Input& in, World& w) {
   auto writable = w.owner->create_writable(
       {ferry::Descriptor(writable_mem.body(), kWritableA),
        ferry::Descriptor(writable_mem.body() + kWritableA + kWritableGap, kWritableB)});
-  const Live live[2] = {live_of(readable.metadata()), live_of(writable.metadata())};
+  Live live[2] = {live_of(readable.metadata()), live_of(writable.metadata())};
+  // Region mode: a readable region over region_mem (blocks of 512 bytes) stands in for the
+  // readable: the raw client attaches, and its requests name the attachment (or, when the
+  // attach failed, the region's own id and token, which serve nothing but ATTACH).
+  std::optional<ferry::Region> region;
+  if (region_mode) {
+    ferry::RegionOptions ro;
+    ro.access = ferry::RegionAccess::read;
+    ro.block_size = 512;
+    ro.max_queued_events = 64;
+    region = w.owner->create_region({ferry::Descriptor(region_mem.body(), kReadableSize)}, ro);
+    const ferry::RegionMetadata m = region->metadata();
+    live[0].op_id = parse_hex(m.region_id);
+    if (!token_of(m.token, live[0].token)) finding("region token is not 32 hex digits");
+    live[0].base = m.descriptors.front().ptr;
+    live[0].size = kReadableSize;
+  }
 
   ServerSide side;
-  side.readable_mem = &readable_mem;
+  side.readable_mem = region_mode ? &region_mem : &readable_mem;
   side.readable = live[0];
+  // Region mode: no DATA may answer a READ until ATTACHED names the attachment (the region's
+  // own id and token serve nothing but ATTACH).
+  if (region_mode) side.readable.op_id = 0;
   side.writable = live[1];
   const auto deadline = Clock::now() + kExchangeFor;
   Conn conn(connect_loopback(w.owner_port), kMaxRequest, &ServerSide::on_frame, &side, deadline);
@@ -810,13 +883,22 @@ void server_side(Input& in, World& w) {
     h.msg_len = static_cast<std::uint32_t>(name.size());
     conn.send_frame(h, name, {});
   }
+  if (region_mode) {
+    side.attach_req = 200 + in.u8();
+    conn.send_frame(attach_header(in, region->metadata(), side.attach_req), {}, {});
+    // The answer before the requests that use it (bounded: a refusal or a close ends it too).
+    const auto until = Clock::now() + 1s;
+    while (!side.attached && conn.open() && Clock::now() < until) conn.pump(10);
+    if (side.attached) live[0] = side.readable;
+  }
   const int frames = in.u8() % 24;
   // The input is read the same way whatever the server does (a send to a closed connection
   // just fails), so that an input replays the same frames.
   for (int i = 0; i < frames && in_frame && !must_close; ++i) {
-    static constexpr std::uint8_t kTypes[] = {READ, READ,  READ, WRITE,  WRITE, WRITE, DONE,
-                                              DONE, HELLO, DATA, STATUS, 0,     7};
-    const std::uint8_t pick = in.u8() % 13;
+    // Region mode adds ENDED and DETACH (on the attachment, or made up).
+    static constexpr std::uint8_t kTypes[] = {READ,  READ, READ,   WRITE, WRITE, WRITE, DONE,  DONE,
+                                              HELLO, DATA, STATUS, 0,     7,     ENDED, DETACH};
+    const std::uint8_t pick = in.u8() % (region_mode ? 15 : 13);
     const std::uint8_t type = kTypes[pick];
     const bool writable_target = in.u8() % 2 == 1;
     const Live& target = live[writable_target ? 1 : 0];
@@ -841,6 +923,13 @@ void server_side(Input& in, World& w) {
       h.status = in.u8() % 4 == 0 ? in.u8() % 18u : 0u;
     }
     if (type == STATUS) h.status = in.u8();
+    std::string ranges;
+    if (type == ENDED) {
+      h.flags = static_cast<std::uint16_t>(in.u8() % 4);
+      h.status = in.u8() % 4 == 0 ? in.u8() % 18u : 0u;
+      ranges = ended_ranges(in, live[0]);
+      h.len = in.u8() % 8 == 0 ? in.u16() % 80 : ranges.size();
+    }
     std::string msg = in.bytes(in.u8() % 64);
     h.msg_len = static_cast<std::uint32_t>(msg.size());
     std::string payload;
@@ -872,6 +961,11 @@ void server_side(Input& in, World& w) {
         must_close = h.type == WRITE || h.type == DATA;
       } else {
         payload.assign(static_cast<std::size_t>(h.len), static_cast<char>(in.u8()));
+        if (h.type == ENDED) {
+          const std::string filler = payload;
+          payload = ranges.substr(0, payload.size());
+          payload += filler.substr(payload.size());
+        }
         if (truncate) {
           payload.resize(in.u16() % (payload.size() + 1));
           in_frame = false;
@@ -915,6 +1009,10 @@ void server_side(Input& in, World& w) {
         (conn.eof() ? "; the server closed" : ""));
   readable.cancel();
   writable.cancel();
+  // Closing the region returns once no request of the attachment touches its memory.
+  if (region) region->close();
+  if (!region_mem.guards_intact() || !region_mem.body_intact(0, kReadableSize))
+    finding("the region's memory (readable only) or the bytes around it changed");
   // docs/protocol.md: a writable refuses DONE with success until every byte it exposes has
   // been written.
   if (writable.status() == ferry::OperationStatus::complete && !side.all_written())
@@ -1242,8 +1340,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Input in(data, size);
   World& w = world();
   try {
-    if (in.u8() % 2 == 0)
-      server_side(in, w);
+    const std::uint8_t side = in.u8();
+    if (side % 2 == 0)
+      server_side(in, w, (side >> 1) % 3 == 0);
     else
       client_side(in, w);
     if (w.iterations++ % kCheckEvery == 0) check_well_behaved(w);
