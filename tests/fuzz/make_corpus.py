@@ -49,12 +49,16 @@ class Out:
 
 # ---- server side: a raw client against the owner's readable and writable ----
 
-def server(hello=True, frames=(), ending=0):
-    o = Out().u8(0)
+def server(hello=True, frames=(), ending=0, region=False):
+    # region: first byte 2 puts a readable region in the readable's place; the client attaches
+    # (request 205, read access) before the frames, which then name the attachment.
+    o = Out().u8(2 if region else 0)
     if hello:
         o.u8(0).u64(0).u8(len(b"raw-client")).raw(b"raw-client")
     else:
         o.u8(6)
+    if region:
+        o.u8(205).u8(0)
     o.u8(len(frames))
     for f in frames:
         f(o)
@@ -134,6 +138,9 @@ def server_seeds():
                    frame(DONE, WRITABLE, flags=2, req=3)]
     return {
         "read-whole": server(frames=whole_read),
+        "region-read-whole": server(frames=whole_read[:2], region=True),
+        "region-refused-write": server(frames=[frame(WRITE, req=1, addr=("off", 0),
+                                                     length=("small", 100))], region=True),
         "write-whole": server(frames=whole_write),
         "read-then-reset": server(frames=whole_read[:2], ending=2),
         "write-then-half-close": server(frames=whole_write[:1], ending=3),
