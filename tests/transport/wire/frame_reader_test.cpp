@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/transport/wire/frame_bytes.hpp"
 #include "transport/wire/frame_reader.hpp"
 
 namespace ferry::transport::wire {
@@ -12,13 +13,7 @@ namespace {
 
 std::string frame(FrameType type, const std::string& message, const std::string& payload = {},
                   std::uint64_t req_id = 0) {
-  FrameHeader h;
-  h.type = type;
-  h.req_id = req_id;
-  h.msg_len = static_cast<std::uint32_t>(message.size());
-  h.len = has_payload(type) ? payload.size() : 0;
-  const HeaderBytes bytes = encode(h);
-  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()) + message + payload;
+  return test::frame_bytes(type, req_id, message, payload);
 }
 
 struct Recorder : FrameReader::Handler {

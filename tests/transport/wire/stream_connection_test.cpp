@@ -18,6 +18,7 @@
 
 #include <uv.h>
 
+#include "tests/transport/wire/frame_bytes.hpp"
 #include "transport/wire/stream_connection.hpp"
 
 namespace ferry::transport::wire {
@@ -27,13 +28,7 @@ using namespace std::chrono_literals;
 
 std::string frame(FrameType type, std::uint64_t req_id, const std::string& message = {},
                   const std::string& payload = {}) {
-  FrameHeader h;
-  h.type = type;
-  h.req_id = req_id;
-  h.msg_len = static_cast<std::uint32_t>(message.size());
-  h.len = has_payload(type) ? payload.size() : 0;
-  const HeaderBytes bytes = encode(h);
-  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()) + message + payload;
+  return test::frame_bytes(type, req_id, message, payload);
 }
 
 std::string hello() { return frame(FrameType::hello, 0, "raw"); }
