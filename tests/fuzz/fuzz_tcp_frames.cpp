@@ -647,6 +647,16 @@ Live live_of(const ferry::RdmaMetadata& m) {
   return l;
 }
 
+/// A region's id and attach token, and its memory.
+Live live_of(const ferry::RegionMetadata& m) {
+  Live l;
+  l.op_id = parse_hex(m.region_id);
+  if (!token_of(m.token, l.token)) finding("region token is not 32 hex digits: " + m.token);
+  l.base = m.descriptors.front().ptr;
+  l.size = m.total_size();
+  return l;
+}
+
 struct ReadSent {
   std::uint64_t addr, len, op_id;
   Token token;
@@ -799,12 +809,12 @@ Header request_header(Input& in, std::uint8_t type, const Live& target, const Li
 
 /// Region mode's ATTACH: the region's id and token (flags from the input: 1 is the read the
 /// region allows, 2 and 3 ask for more and are refused, 0 is no access at all).
-Header attach_header(Input& in, const ferry::RegionMetadata& m, std::uint64_t req_id) {
+Header attach_header(Input& in, const Live& region, std::uint64_t req_id) {
   Header h;
   h.type = ATTACH;
   h.req_id = req_id;
-  h.op_id = parse_hex(m.region_id);
-  if (!token_of(m.token, h.token)) finding("region token is not 32 hex digits: " + m.token);
+  h.op_id = region.op_id;
+  h.token = region.token;
   h.flags = static_cast<std::uint16_t>(in.u8() % 8 < 6 ? 1 : in.u8() % 4);
   return h;
 }
@@ -856,11 +866,7 @@ void server_side(Input& in, World& w, bool region_mode) {
     ro.block_size = 512;
     ro.max_queued_events = 64;
     region = w.owner->create_region({ferry::Descriptor(region_mem.body(), kReadableSize)}, ro);
-    const ferry::RegionMetadata m = region->metadata();
-    live[0].op_id = parse_hex(m.region_id);
-    if (!token_of(m.token, live[0].token)) finding("region token is not 32 hex digits");
-    live[0].base = m.descriptors.front().ptr;
-    live[0].size = kReadableSize;
+    live[0] = live_of(region->metadata());
   }
 
   ServerSide side;
@@ -885,7 +891,7 @@ void server_side(Input& in, World& w, bool region_mode) {
   }
   if (region_mode) {
     side.attach_req = 200 + in.u8();
-    conn.send_frame(attach_header(in, region->metadata(), side.attach_req), {}, {});
+    conn.send_frame(attach_header(in, live[0], side.attach_req), {}, {});
     // The answer before the requests that use it (bounded: a refusal or a close ends it too).
     const auto until = Clock::now() + 1s;
     while (!side.attached && conn.open() && Clock::now() < until) conn.pump(10);
@@ -961,11 +967,9 @@ void server_side(Input& in, World& w, bool region_mode) {
         must_close = h.type == WRITE || h.type == DATA;
       } else {
         payload.assign(static_cast<std::size_t>(h.len), static_cast<char>(in.u8()));
-        if (h.type == ENDED) {
-          const std::string filler = payload;
-          payload = ranges.substr(0, payload.size());
-          payload += filler.substr(payload.size());
-        }
+        // An ENDED's payload starts with its ranges (as many bytes of them as h.len takes).
+        if (h.type == ENDED)
+          std::copy_n(ranges.begin(), std::min(ranges.size(), payload.size()), payload.begin());
         if (truncate) {
           payload.resize(in.u16() % (payload.size() + 1));
           in_frame = false;

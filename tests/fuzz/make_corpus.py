@@ -51,7 +51,8 @@ class Out:
 
 def server(hello=True, frames=(), ending=0, region=False):
     # region: first byte 2 puts a readable region in the readable's place; the client attaches
-    # (request 205, read access) before the frames, which then name the attachment.
+    # (ATTACH request 405: 200 plus the byte 205; read access) before the frames, which then
+    # name the attachment.
     o = Out().u8(2 if region else 0)
     if hello:
         o.u8(0).u64(0).u8(len(b"raw-client")).raw(b"raw-client")

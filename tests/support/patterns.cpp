@@ -61,13 +61,6 @@ __attribute__((no_sanitize("thread"))) long long mismatch_in(const std::byte* da
   return -1;
 }
 
-__attribute__((no_sanitize("thread"))) long long not_in(const std::byte* data, std::size_t size,
-                                                        std::byte value) {
-  for (std::size_t i = 0; i < size; ++i)
-    if (data[i] != value) return static_cast<long long>(i);
-  return -1;
-}
-
 __attribute__((no_sanitize("thread"))) long long neither_in(const std::byte* data, std::size_t size,
                                                             std::byte a, std::byte b) {
   for (std::size_t i = 0; i < size; ++i)
@@ -85,7 +78,7 @@ long long first_mismatch(const std::byte* data, std::size_t size, std::uint64_t 
 
 long long first_not(const std::byte* data, std::size_t size, std::byte value) {
   sample_for_tsan(data, size);
-  return not_in(data, size, value);
+  return neither_in(data, size, value, value);
 }
 
 long long first_not_either(const std::byte* data, std::size_t size, std::byte a, std::byte b) {

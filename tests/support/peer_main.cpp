@@ -90,11 +90,6 @@ void say(const std::string& line) {
   std::cout << line << std::endl;  // flushes: the parent waits for each line
 }
 
-// A buffer that is not filled byte by byte: large kill-test buffers are only touched once.
-std::unique_ptr<std::byte[]> make_buffer(std::size_t size) {
-  return test::filled(size, std::byte{0});
-}
-
 #if defined(__x86_64__)
 constexpr std::uint32_t kAuditArch = AUDIT_ARCH_X86_64;
 #elif defined(__aarch64__)
@@ -203,7 +198,7 @@ int main(int argc, char** argv) {
         std::size_t size = 0;
         std::uint64_t seed = 0;
         in >> size >> seed;
-        passive_mem = make_buffer(size);
+        passive_mem = test::filled(size, std::byte{0});
         passive_size = size;
         if (seed != 0) test::fill_pattern(passive_mem.get(), size, seed);
         auto op = connector.create_readable({Descriptor(passive_mem.get(), size)});
@@ -213,7 +208,7 @@ int main(int argc, char** argv) {
       } else if (cmd == "writable") {
         std::size_t size = 0;
         in >> size;
-        passive_mem = make_buffer(size);
+        passive_mem = test::filled(size, std::byte{0});
         passive_size = size;
         auto op = connector.create_writable({Descriptor(passive_mem.get(), size)});
         say("META " + op.metadata().to_json());
@@ -244,7 +239,7 @@ int main(int argc, char** argv) {
         std::getline(in >> std::ws, json);
         RdmaMetadata meta = RdmaMetadata::from_json(json);
         std::size_t size = meta.total_size();
-        active_mem = make_buffer(size);
+        active_mem = test::filled(size, std::byte{0});
         if (cmd == "write") {
           test::fill_pattern(active_mem.get(), size, seed);
           active = connector.begin_write({Descriptor(active_mem.get(), size)}, meta);
@@ -272,7 +267,7 @@ int main(int argc, char** argv) {
         std::size_t size = 0;
         std::uint64_t seed = 0;
         in >> subject >> size >> seed;
-        passive_mem = make_buffer(size);
+        passive_mem = test::filled(size, std::byte{0});
         passive_size = size;
         if (seed != 0) test::fill_pattern(passive_mem.get(), size, seed);
         OperationOptions o;
@@ -289,7 +284,7 @@ int main(int argc, char** argv) {
         std::string subject;
         if (cmd != "start_read_at") in >> seed;
         in >> size >> subject;
-        active_mem = make_buffer(size);
+        active_mem = test::filled(size, std::byte{0});
         if (cmd == "write_at") {
           test::fill_pattern(active_mem.get(), size, seed);
           active = connector.begin_write({Descriptor(active_mem.get(), size)}, Subject(subject));
@@ -400,7 +395,7 @@ int main(int argc, char** argv) {
         std::size_t size = 0;
         std::uint64_t seed = 0;
         in >> size >> seed;
-        region_mem = make_buffer(size);
+        region_mem = test::filled(size, std::byte{0});
         test::fill_pattern(region_mem.get(), size, seed);
         RegionOptions ro;
         ro.access = RegionAccess::read_write;
@@ -434,7 +429,7 @@ int main(int argc, char** argv) {
         auto it = attachments.find(meta.region_id);
         if (it == attachments.end())
           it = attachments.emplace(meta.region_id, connector.attach(meta)).first;
-        active_mem = make_buffer(len);
+        active_mem = test::filled(len, std::byte{0});
         TransferOptions t;
         t.tag = tag;
         if (cmd == "region_write") {
