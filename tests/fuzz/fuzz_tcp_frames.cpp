@@ -80,6 +80,7 @@ constexpr std::uint32_t kMagic = 0x59525246;
 constexpr std::uint8_t kVersion = 1;
 constexpr std::size_t kHeaderSize = 64;
 constexpr std::uint32_t kMaxMessage = 4096;
+constexpr std::uint64_t kMaxReadRanges = 4096;  // wire::kMaxReadRanges
 
 enum Type : std::uint8_t {
   HELLO = 1,
@@ -92,7 +93,8 @@ enum Type : std::uint8_t {
   ATTACH = 9,
   ATTACHED = 10,
   ENDED = 11,
-  DETACH = 12
+  DETACH = 12,
+  READ_RANGES = 13
 };
 
 using Token = std::array<std::uint8_t, 16>;
@@ -155,7 +157,9 @@ Header decode(const std::uint8_t* b) {
   return h;
 }
 
-bool has_payload(std::uint8_t type) { return type == DATA || type == WRITE || type == ENDED; }
+bool has_payload(std::uint8_t type) {
+  return type == DATA || type == WRITE || type == ENDED || type == READ_RANGES;
+}
 
 // ---- findings ----
 
@@ -683,6 +687,24 @@ struct ServerSide {
     std::fill(written.begin() + static_cast<std::ptrdiff_t>(off),
               written.begin() + static_cast<std::ptrdiff_t>(off + h.len), true);
   }
+  /// Notes the ranges of a READ_RANGES the server must serve: all of them when each is inside
+  /// the readable (with its id and token), 1 byte or more, and all together at most
+  /// kMaxRequest; else none.
+  void asked(const Header& h, const std::string& list) {
+    std::vector<ReadSent> ok;
+    std::uint64_t total = 0;
+    for (std::size_t at = 0; at + 16 <= list.size(); at += 16) {
+      const auto* b = reinterpret_cast<const std::uint8_t*>(list.data() + at);
+      const auto addr = get_le<std::uint64_t>(b);
+      const auto len = get_le<std::uint64_t>(b + 8);
+      if (len == 0 || len > kMaxRequest - total || addr < readable.base || len > readable.size ||
+          addr - readable.base > readable.size - len)
+        return;
+      total += len;
+      ok.push_back(ReadSent{addr, len, h.op_id, h.token});
+    }
+    for (const ReadSent& r : ok) reads.emplace(h.req_id, r);
+  }
   bool all_written() const {
     for (std::size_t i = 0; i < kWritableSize; ++i)
       if (!written[i] && (i < kWritableA || i >= kWritableA + kWritableGap)) return false;
@@ -723,7 +745,7 @@ struct ServerSide {
     for (auto it = from; it != to; ++it) {
       const ReadSent& r = it->second;
       if (r.op_id != readable.op_id || r.token != readable.token) continue;
-      if (r.len != f.payload.size() || r.addr < readable.base || r.len > readable.size ||
+      if (r.addr != f.h.addr || r.len != f.payload.size() || r.addr < readable.base || r.len > readable.size ||
           r.addr - readable.base > readable.size - r.len)
         continue;
       const std::size_t off = r.addr - readable.base;
@@ -901,10 +923,11 @@ void server_side(Input& in, World& w, bool region_mode) {
   // The input is read the same way whatever the server does (a send to a closed connection
   // just fails), so that an input replays the same frames.
   for (int i = 0; i < frames && in_frame && !must_close; ++i) {
-    // Region mode adds ENDED and DETACH (on the attachment, or made up).
-    static constexpr std::uint8_t kTypes[] = {READ,  READ, READ,   WRITE, WRITE, WRITE, DONE,  DONE,
-                                              HELLO, DATA, STATUS, 0,     7,     ENDED, DETACH};
-    const std::uint8_t pick = in.u8() % (region_mode ? 15 : 13);
+    // Region mode adds ENDED, DETACH and READ_RANGES (on the attachment, or made up).
+    static constexpr std::uint8_t kTypes[] = {READ,   READ, READ,  WRITE, WRITE,  WRITE,
+                                              DONE,   DONE, HELLO, DATA,  STATUS, 0,
+                                              7,      ENDED, DETACH, READ_RANGES};
+    const std::uint8_t pick = in.u8() % (region_mode ? 16 : 13);
     const std::uint8_t type = kTypes[pick];
     const bool writable_target = in.u8() % 2 == 1;
     const Live& target = live[writable_target ? 1 : 0];
@@ -918,11 +941,11 @@ void server_side(Input& in, World& w, bool region_mode) {
     }
     if (type == 7) {
       // A type no client sends a tcp server: the same-host and server-side ones (7, 8, 10),
-      // and those no ferry knows (13 and up). ATTACH, ENDED and DETACH (9, 11, 12) are a
-      // client's, and served: the server does not close for them.
-      const std::uint8_t v = in.u8() % 246;
+      // and those no ferry knows (14 and up). ATTACH, ENDED, DETACH and READ_RANGES (9, 11,
+      // 12, 13) are a client's, and served: the server does not close for them.
+      const std::uint8_t v = in.u8() % 245;
       static constexpr std::uint8_t kNotServed[] = {7, 8, 10};
-      h.type = v < 3 ? kNotServed[v] : static_cast<std::uint8_t>(13 + (v - 3));
+      h.type = v < 3 ? kNotServed[v] : static_cast<std::uint8_t>(14 + (v - 3));
     }
     if (type == DONE) {
       h.flags = static_cast<std::uint16_t>(in.u8() % 4);
@@ -934,6 +957,11 @@ void server_side(Input& in, World& w, bool region_mode) {
       h.flags = static_cast<std::uint16_t>(in.u8() % 4);
       h.status = in.u8() % 4 == 0 ? in.u8() % 18u : 0u;
       ranges = ended_ranges(in, live[0]);
+      h.len = in.u8() % 8 == 0 ? in.u16() % 80 : ranges.size();
+    }
+    if (type == READ_RANGES) {
+      ranges = ended_ranges(in, target);
+      h.addr = 0;
       h.len = in.u8() % 8 == 0 ? in.u16() % 80 : ranges.size();
     }
     std::string msg = in.bytes(in.u8() % 64);
@@ -967,8 +995,9 @@ void server_side(Input& in, World& w, bool region_mode) {
         must_close = h.type == WRITE || h.type == DATA;
       } else {
         payload.assign(static_cast<std::size_t>(h.len), static_cast<char>(in.u8()));
-        // An ENDED's payload starts with its ranges (as many bytes of them as h.len takes).
-        if (h.type == ENDED)
+        // An ENDED's or READ_RANGES's payload starts with its ranges (as many bytes of them as
+        // h.len takes).
+        if (h.type == ENDED || h.type == READ_RANGES)
           std::copy_n(ranges.begin(), std::min(ranges.size(), payload.size()), payload.begin());
         if (truncate) {
           payload.resize(in.u16() % (payload.size() + 1));
@@ -977,6 +1006,14 @@ void server_side(Input& in, World& w, bool region_mode) {
       }
     }
     if (h.type == READ) side.reads.emplace(h.req_id, ReadSent{h.addr, h.len, h.op_id, h.token});
+    // A list the server cannot take ends the connection; one with a range it refuses moves no
+    // byte (no DATA may answer it); the others are answered range by range.
+    if (h.type == READ_RANGES && !must_close && in_frame) {
+      if (h.len == 0 || h.len % 16 != 0 || h.len > kMaxReadRanges * 16)
+        must_close = true;
+      else
+        side.asked(h, payload);
+    }
     if (conn.send_frame(h, msg, payload) && h.type == WRITE && in_frame && !must_close)
       side.wrote(h);
     if (in.u8() % 4 == 0) conn.pump(1);

@@ -16,7 +16,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 # Frame types and the picks fuzz_tcp_frames.cpp maps them from.
 READ, WRITE, DONE, HELLO, DATA, STATUS = "READ", "WRITE", "DONE", "HELLO", "DATA", "STATUS"
-SERVER_PICK = {READ: 0, WRITE: 3, DONE: 6, HELLO: 8, DATA: 9, STATUS: 10, "RAW": 11, "UNKNOWN": 12}
+READ_RANGES = "READ_RANGES"
+SERVER_PICK = {READ: 0, WRITE: 3, DONE: 6, HELLO: 8, DATA: 9, STATUS: 10, "RAW": 11, "UNKNOWN": 12,
+               READ_RANGES: 15}  # READ_RANGES: region mode only
 READABLE, WRITABLE = 0, 1
 WRITABLE_A, WRITABLE_GAP, WRITABLE_B = 1536, 64, 2560
 MAX_REQUEST = 16 << 10
@@ -68,7 +70,8 @@ def server(hello=True, frames=(), ending=0, region=False):
 
 
 def frame(kind, target=READABLE, cred="real", addr=("off", 0), length=("small", 0), req=1,
-          flags=0, status=0, msg=b"", mutation=None, fill=0x41, truncate_to=0, pump=True):
+          flags=0, status=0, msg=b"", mutation=None, fill=0x41, truncate_to=0, pump=True,
+          ranges=()):
     def write(o):
         o.u8(SERVER_PICK[kind]).u8(target)
         c = {"real": 0, "flipped": 2, "other": 3, "made-up": 3}[cred] << 1
@@ -110,6 +113,12 @@ def frame(kind, target=READABLE, cred="real", addr=("off", 0), length=("small", 
                 o.u8(1)
         if kind == STATUS:
             o.u8(status)
+        if kind == READ_RANGES:
+            # (offset, length) pairs in the target (at most 4); the list's length as sent.
+            o.u8(len(ranges))
+            for off, n in ranges:
+                o.u16(off).u16(n).u8(1)
+            o.u8(1)
         o.u8(len(msg)).raw(msg)
         m = {None: 4, "magic": 0, "version": 1, "msg_len": 2, "truncate": 3}[mutation]
         o.u8(m)
@@ -121,7 +130,9 @@ def frame(kind, target=READABLE, cred="real", addr=("off", 0), length=("small", 
             o.u16(0)
         closes = mutation in ("magic", "version", "msg_len") or kind == "UNKNOWN"
         size = {"small": length[1], "max": MAX_REQUEST + length[1] % 3 - 1, "any": length[1]}[length[0]]
-        if kind in (WRITE, DATA) and not closes and size <= MAX_REQUEST:
+        if kind == READ_RANGES:
+            size = 16 * len(ranges)
+        if kind in (WRITE, DATA, READ_RANGES) and not closes and size <= MAX_REQUEST:
             o.u8(fill)
             if mutation == "truncate":
                 o.u16(truncate_to)
@@ -142,6 +153,12 @@ def server_seeds():
         "region-read-whole": server(frames=whole_read[:2], region=True),
         "region-refused-write": server(frames=[frame(WRITE, req=1, addr=("off", 0),
                                                      length=("small", 100))], region=True),
+        "region-read-ranges": server(frames=[frame(READ_RANGES, req=1,
+                                                   ranges=[(0, 512), (2048, 1024), (0, 512)])],
+                                     region=True),
+        "region-read-ranges-refused": server(frames=[frame(READ_RANGES, req=1,
+                                                           ranges=[(0, 512), (4000, 200)])],
+                                             region=True),
         "write-whole": server(frames=whole_write),
         "read-then-reset": server(frames=whole_read[:2], ending=2),
         "write-then-half-close": server(frames=whole_write[:1], ending=3),

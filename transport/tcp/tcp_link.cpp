@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "transport/cuda/stager.hpp"
 #include "transport/kit/exposures.hpp"
@@ -65,10 +66,11 @@ void TcpLink::attach(TcpTransfer& t) {
 void TcpLink::detach(TcpTransfer& t) { transfers_.erase(t.id()); }
 
 void TcpLink::release(TcpTransfer& t) {
-  for (std::uint64_t req : t.reqs) pending_.forget(req);
-  t.reqs.clear();
+  // The frames first: a READ_RANGES partly written still reads its request's list.
   conn_->release(t.id());
   conn_->drop_sink(t.id());
+  for (std::uint64_t req : t.reqs) pending_.forget(req);
+  t.reqs.clear();
 }
 
 void TcpLink::pump(TcpTransfer& t) {
@@ -88,6 +90,7 @@ void TcpLink::pump(TcpTransfer& t) {
 
 bool TcpLink::request(TcpTransfer& t) {
   const bool writing = t.spec.access == Access::write;
+  if (!writing && t.seg_off == 0 && request_ranges(t)) return true;
   const Segment& s = t.spec.segments[t.seg];
   const std::uint64_t len = std::min<std::uint64_t>(owner_.options_.chunk_size, s.len - t.seg_off);
   std::byte* local = s.local + t.seg_off;
@@ -150,6 +153,67 @@ bool TcpLink::request(TcpTransfer& t) {
     return false;
   }
   return true;
+}
+
+bool TcpLink::request_ranges(TcpTransfer& t) {
+  // A block list goes in one request: the owner checks every range, then answers each with a
+  // DATA naming its address. A chunk or more goes in READs as before.
+  const std::vector<Segment>& segments = t.spec.segments;
+  const std::uint64_t cap = owner_.options_.chunk_size;
+  std::size_t end = t.seg;
+  std::uint64_t total = 0;
+  while (end < segments.size() && end - t.seg < wire::kMaxReadRanges) {
+    const Segment& s = segments[end];
+    if (s.cuda_device >= 0 || s.len == 0 || s.len > cap - total) break;
+    total += s.len;
+    ++end;
+  }
+  if (end - t.seg < 2) return false;
+  Request r(t.id(), Kind::read_ranges, nullptr, total);
+  r.left = end - t.seg;
+  r.pieces.reserve(r.left);
+  r.list.resize(r.left * 16);
+  for (std::size_t i = t.seg; i < end; ++i) {
+    const Segment& s = segments[i];
+    std::byte* at = r.list.data() + (i - t.seg) * 16;
+    std::memcpy(at, &s.remote_addr, 8);
+    std::memcpy(at + 8, &s.len, 8);
+    r.pieces.push_back(Piece{s.local, s.remote_addr, s.len, false});
+  }
+  const std::byte* list = r.list.data();
+  FrameHeader h;
+  h.type = FrameType::read_ranges;
+  h.op_id = t.spec.remote_id;
+  h.token = t.spec.token;
+  h.len = r.list.size();
+  h.req_id = pending_.add(conn_->id(), std::move(r));
+  t.reqs.insert(h.req_id);
+  t.inflight += total;
+  t.seg = end;
+  t.seg_off = 0;
+  conn_->send(h, {}, list, t.id());
+  return true;
+}
+
+wire::Sink TcpLink::piece_sink(Request& r, const FrameHeader& h) {
+  // Pieces come in order unless the owner stages device memory; one naming a range twice is
+  // filled twice, once per DATA.
+  std::size_t i = r.next;
+  for (std::size_t k = 0; k < r.pieces.size(); ++k, ++i) {
+    if (i == r.pieces.size()) i = 0;
+    const Piece& p = r.pieces[i];
+    if (!p.arrived && p.remote == h.addr && p.len == h.len) break;
+  }
+  if (i == r.pieces.size() || r.pieces[i].arrived || r.pieces[i].remote != h.addr ||
+      r.pieces[i].len != h.len)
+    return wire::fatal("DATA of " + std::to_string(h.len) + " bytes at " + std::to_string(h.addr) +
+                       " matches no range of read request " + std::to_string(h.req_id));
+  r.pieces[i].arrived = true;  // counted when its payload is in (on_payload)
+  r.next = i + 1 == r.pieces.size() ? 0 : i + 1;
+  wire::Sink sink;
+  sink.dest = r.pieces[i].local;
+  sink.tag = r.transfer;
+  return sink;
 }
 
 void TcpLink::send_done(TcpTransfer& t, const Error* error) {
@@ -258,7 +322,7 @@ wire::Sink TcpLink::on_frame(wire::StreamConnection& conn, const FrameHeader& h,
         }
       return {};
     case FrameType::data: {
-      const Request* r = pending_.find(h.req_id, conn.id());
+      Request* r = pending_.find(h.req_id, conn.id());
       if (r == nullptr) {
         // The answer to a request of a transfer since cancelled: drop its bytes.
         if (h.len >
@@ -266,6 +330,7 @@ wire::Sink TcpLink::on_frame(wire::StreamConnection& conn, const FrameHeader& h,
           return wire::fatal("DATA of " + std::to_string(h.len) + " bytes for no request");
         return {};
       }
+      if (r->kind == Kind::read_ranges) return piece_sink(*r, h);
       if (r->kind != Kind::read_chunk || h.len != r->len)
         return wire::fatal("DATA does not match read request " + std::to_string(h.req_id));
       wire::Sink sink;
@@ -339,6 +404,7 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
                           " bytes acknowledged)"));
       break;
     case Kind::read_chunk:
+    case Kind::read_ranges:
       return wire::fatal("a read request was answered with success but no data");
     case Kind::attach:
       break;  // answered above
@@ -348,7 +414,10 @@ wire::Sink TcpLink::on_status(const FrameHeader& h, const std::string& message) 
 
 void TcpLink::on_payload(wire::StreamConnection& conn, const FrameHeader& h, std::uint64_t,
                          bool intact) {
-  // The end of a DATA frame.
+  // The end of a DATA frame: of a READ_RANGES, the request is done with its last piece.
+  if (Request* ranges = pending_.find(h.req_id, conn.id());
+      ranges != nullptr && ranges->kind == Kind::read_ranges && --ranges->left > 0)
+    return;
   std::optional<Request> r = pending_.take(h.req_id, conn.id());
   if (!r) return;  // its transfer was cancelled; the bytes were dropped
   TcpTransfer* t = live(r->transfer);
@@ -394,11 +463,14 @@ void TcpLink::on_closed(wire::StreamConnection& conn, const std::string& reason)
   const std::string who = conn.describe_peer();
   // A server that explained itself before closing (a protocol error: a configuration
   // mismatch, say) has not been lost: retrying would fail the same way.
+  // Nor has one that broke the protocol: its lie ends what it touched as a ProtocolError.
   const Error error =
-      conn.notice().empty()
-          ? Error(ErrorCode::PeerLost, "connection to peer " + who + " lost: " + reason)
-          : Error(wire::from_wire(conn.notice_status()),
-                  "peer " + who + " closed the connection: " + conn.notice());
+      !conn.notice().empty() ? Error(wire::from_wire(conn.notice_status()),
+                                     "peer " + who + " closed the connection: " + conn.notice())
+      : conn.sent_notice_status() != 0
+          ? Error(wire::from_wire(conn.sent_notice_status()),
+                  "connection to peer " + who + " closed: " + reason)
+          : Error(ErrorCode::PeerLost, "connection to peer " + who + " lost: " + reason);
   std::vector<TcpTransfer*> on_it;
   for (std::uint64_t id : transfers_)
     if (TcpTransfer* t = live(id)) on_it.push_back(t);

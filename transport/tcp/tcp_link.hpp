@@ -53,13 +53,30 @@ class TcpLink final : private wire::StreamConnection::Handler {
   std::chrono::steady_clock::time_point idle_since{};
 
  private:
-  enum class Kind { read_chunk, write_chunk, done, attach };
+  enum class Kind { read_chunk, read_ranges, write_chunk, done, attach };
+  /// One range of a READ_RANGES: where its DATA goes.
+  struct Piece {
+    std::byte* local = nullptr;
+    std::uint64_t remote = 0;
+    std::uint64_t len = 0;
+    bool arrived = false;
+  };
   struct Request {
+    Request() = default;
+    Request(std::uint64_t transfer_, Kind kind_, std::byte* local_ = nullptr,
+            std::uint64_t len_ = 0, std::uint64_t unit_ = 0)
+        : transfer(transfer_), kind(kind_), local(local_), len(len_), unit(unit_) {}
     std::uint64_t transfer = 0;  ///< 0: nobody waits for the answer (a notice); attach: region
     Kind kind = Kind::done;
     std::byte* local = nullptr;
     std::uint64_t len = 0;
     std::uint64_t unit = 0;  ///< the staging unit its bytes pass through; 0: none
+    /// read_ranges: its ranges, the list sent (kept until the frame has left: the request is
+    /// answered only after), and how many have not arrived.
+    std::vector<Piece> pieces;
+    std::vector<std::byte> list;
+    std::size_t left = 0;
+    std::size_t next = 0;  ///< the piece the next DATA most likely carries
   };
 
   // wire::StreamConnection::Handler
@@ -73,6 +90,11 @@ class TcpLink final : private wire::StreamConnection::Handler {
   void send_ended(TcpTransfer& t, const Error* error, bool awaited);
   /// Queues the next request of `t`; false when the window or a staging chunk stops it.
   bool request(TcpTransfer& t);
+  /// Queues one READ_RANGES for the next whole segments of `t` (host memory, shorter than a
+  /// chunk, up to a chunk in all); false when fewer than two fit, and nothing was sent.
+  bool request_ranges(TcpTransfer& t);
+  /// The sink for a DATA answering READ_RANGES `r`: the piece at its address.
+  wire::Sink piece_sink(Request& r, const wire::FrameHeader& h);
   wire::Sink on_status(const wire::FrameHeader& h, const std::string& message);
   /// Request `req` of `t` is done: its bytes are in place (staged: on the device too).
   void answered(TcpTransfer& t, std::uint64_t req, const Request& r);

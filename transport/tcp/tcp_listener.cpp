@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 
 #include "transport/cuda/stager.hpp"
 #include "transport/wire/status.hpp"
@@ -161,6 +162,8 @@ wire::Sink TcpListener::on_frame(StreamConnection& conn, const FrameHeader& h,
     case FrameType::read:
       serve_read(conn, h);
       return {};
+    case FrameType::read_ranges:
+      return receive_read_ranges(conn, h);
     case FrameType::write:
       return serve_write(conn, h);
     case FrameType::done:
@@ -203,8 +206,73 @@ void TcpListener::serve_read(StreamConnection& conn, const FrameHeader& h) {
   FrameHeader d;
   d.type = FrameType::data;
   d.req_id = h.req_id;
+  d.addr = h.addr;
   d.len = h.len;
   conn.send(d, {}, v.ptr, h.op_id);
+}
+
+wire::Sink TcpListener::receive_read_ranges(StreamConnection& conn, const FrameHeader& h) {
+  if (h.len == 0 || h.len % 16 != 0 || h.len > wire::kMaxReadRanges * 16)
+    return wire::fatal("READ_RANGES of " + std::to_string(h.len) + " bytes of ranges");
+  std::vector<std::byte>& list = asking_[conn.id()];
+  list.resize(h.len);
+  wire::Sink sink;
+  sink.dest = list.data();
+  return sink;
+}
+
+void TcpListener::serve_read_ranges(StreamConnection& conn, const FrameHeader& h,
+                                    const std::vector<std::byte>& list) {
+  // Every range is checked before any byte moves: one refusal answers the whole request.
+  struct Piece {
+    std::byte* ptr;
+    std::uint64_t addr;
+    std::uint64_t len;
+  };
+  std::vector<Piece> pieces;
+  pieces.reserve(list.size() / 16);
+  kit::Exposures::Entry* entry = nullptr;
+  std::uint64_t total = 0;
+  for (std::size_t at = 0; at < list.size(); at += 16) {
+    std::uint64_t addr = 0;
+    std::uint64_t len = 0;
+    std::memcpy(&addr, list.data() + at, 8);
+    std::memcpy(&len, list.data() + at + 8, 8);
+    if (len == 0 || len > options_.max_request - total) {
+      const Error refused(ErrorCode::AccessDenied,
+                          "read of ranges: each takes 1 byte or more, all together at most " +
+                              std::to_string(options_.max_request) + " bytes");
+      reply(conn, h.req_id, &refused);
+      return;
+    }
+    total += len;
+    auto v = exposures_.check(h.op_id, h.token, Access::read, addr, len, conn.id());
+    if (!v.ok()) {
+      const Error refused(v.code, v.message);
+      reply(conn, h.req_id, &refused);
+      return;
+    }
+    entry = v.entry;
+    pieces.push_back({v.ptr, addr, len});
+  }
+  claim(*entry, conn);
+  for (const Piece& p : pieces) {
+    FrameHeader one = h;
+    one.type = FrameType::read;
+    one.addr = p.addr;
+    one.len = p.len;
+    if (const int ordinal = device_of(*entry, p.ptr); ordinal >= 0) {
+      serve_read_staged(conn, one, p.ptr, ordinal);
+      continue;
+    }
+    exposures_.sending(h.op_id);
+    FrameHeader d;
+    d.type = FrameType::data;
+    d.req_id = h.req_id;
+    d.addr = p.addr;
+    d.len = p.len;
+    conn.send(d, {}, p.ptr, h.op_id);
+  }
 }
 
 wire::Sink TcpListener::serve_write(StreamConnection& conn, const FrameHeader& h) {
@@ -226,6 +294,14 @@ wire::Sink TcpListener::serve_write(StreamConnection& conn, const FrameHeader& h
 
 void TcpListener::on_payload(StreamConnection& conn, const FrameHeader& h, std::uint64_t,
                              bool intact) {
+  if (h.type == FrameType::read_ranges) {
+    auto it = asking_.find(conn.id());
+    if (it == asking_.end()) return;
+    const std::vector<std::byte> list = std::move(it->second);
+    asking_.erase(it);
+    if (intact) serve_read_ranges(conn, h, list);
+    return;
+  }
   if (h.type == FrameType::ended) {
     auto it = ending_.find(conn.id());
     if (it == ending_.end()) return;
@@ -311,6 +387,7 @@ void TcpListener::on_sent(StreamConnection& conn, std::uint64_t tag) {
 
 void TcpListener::on_closed(StreamConnection& conn, const std::string& reason) {
   ending_.erase(conn.id());
+  asking_.erase(conn.id());
   drop_staged_conn(conn.id());
   exposures_.lose_connection(conn.id(), Error(ErrorCode::PeerLost, "peer " + conn.describe_peer() +
                                                                        " disconnected: " + reason));

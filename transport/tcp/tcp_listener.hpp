@@ -95,6 +95,10 @@ class TcpListener final : private wire::StreamConnection::Handler {
 
   void accept(int fd);
   void serve_read(wire::StreamConnection& conn, const wire::FrameHeader& h);
+  wire::Sink receive_read_ranges(wire::StreamConnection& conn, const wire::FrameHeader& h);
+  /// A READ_RANGES whose list arrived: every range is checked before one DATA per range leaves.
+  void serve_read_ranges(wire::StreamConnection& conn, const wire::FrameHeader& h,
+                         const std::vector<std::byte>& list);
   wire::Sink serve_write(wire::StreamConnection& conn, const wire::FrameHeader& h);
   void serve_done(wire::StreamConnection& conn, const wire::FrameHeader& h,
                   const std::string& message);
@@ -151,6 +155,8 @@ class TcpListener final : private wire::StreamConnection::Handler {
   std::unordered_multimap<std::uint64_t, Parked> parked_done_;
   kit::Regions regions_;
   std::unordered_map<std::uint64_t, Ending> ending_;  ///< by connection
+  /// The range list of a READ_RANGES being received, by connection.
+  std::unordered_map<std::uint64_t, std::vector<std::byte>> asking_;
 };
 
 }  // namespace ferry::transport::tcp

@@ -83,6 +83,7 @@ void TcpListener::read_copied(std::uint64_t unit, const std::optional<Error>& er
   FrameHeader d;
   d.type = FrameType::data;
   d.req_id = s.req;
+  d.addr = s.addr;
   d.len = s.len;
   conn->send(d, {}, stager_->chunk(unit), kStagedTag | unit);  // on_sent gives the unit back
 }

@@ -16,8 +16,7 @@ class TcpTransport;
 /// sends DETACH.
 class TcpRemoteRegion final : public kit::RemoteRegionBase {
  public:
-  TcpRemoteRegion(TcpTransport& owner, std::uint64_t id, AttachSpec spec,
-                  AttachObserver& observer);
+  TcpRemoteRegion(TcpTransport& owner, std::uint64_t id, AttachSpec spec, AttachObserver& observer);
   ~TcpRemoteRegion() override;
 
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;

@@ -92,6 +92,7 @@ std::optional<std::string> malformed(const FrameHeader& h) {
     case FrameType::attached:
     case FrameType::ended:
     case FrameType::detach:
+    case FrameType::read_ranges:
       break;
     default:
       return "unknown frame type " + std::to_string(static_cast<int>(h.type));

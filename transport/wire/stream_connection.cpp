@@ -513,6 +513,7 @@ void StreamConnection::fail_after_notice(std::uint32_t status, const std::string
   h.type = FrameType::status;
   h.status = status;
   send(h, reason.substr(0, kMaxMessage));
+  sent_notice_status_ = status;
   closing_after_flush_ = true;
   close_reason_ = "protocol error: " + reason;
   if (closed_) return;

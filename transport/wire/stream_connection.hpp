@@ -101,6 +101,9 @@ class StreamConnection : private FrameReader::Handler {
   void set_notice(std::uint32_t status, std::string message);
   std::uint32_t notice_status() const noexcept { return notice_status_; }
   const std::string& notice() const noexcept { return notice_; }
+  /// The status of the notice this side sent before closing (fail_after_notice): 0 when the
+  /// connection did not end for something the peer sent.
+  std::uint32_t sent_notice_status() const noexcept { return sent_notice_status_; }
   /// "'name' at 1.2.3.4:5" for messages.
   std::string describe_peer() const;
 
@@ -212,6 +215,7 @@ class StreamConnection : private FrameReader::Handler {
   std::string broken_;  // writing failed: the reason the connection fails with, once read out
   int awaiting_ = 0;
   std::uint32_t notice_status_ = 0;
+  std::uint32_t sent_notice_status_ = 0;
   std::string notice_;
   // Bytes this connection owns in its queue (headers, texts, copies). A server connection
   // whose queue grows past a high-water mark stops reading requests until it drains, so a

@@ -562,8 +562,8 @@ TEST_F(TcpHostileTest, UnknownVersionTypeOrOverlongTextCloseTheConnection) {
   bad_version.version = 2;
   cases.push_back({bad_version, "unsupported protocol version 2"});
   FrameHeader bad_type = request(FrameType::read, t, 1, t.base, 16);
-  bad_type.type = static_cast<FrameType>(13);
-  cases.push_back({bad_type, "unknown frame type 13"});
+  bad_type.type = static_cast<FrameType>(14);
+  cases.push_back({bad_type, "unknown frame type 14"});
   for (const Case& c : cases) {
     RawClient client(t.address);
     ASSERT_TRUE(greeted(client));

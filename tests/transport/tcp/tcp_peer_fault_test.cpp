@@ -5,6 +5,7 @@
 #include <uv.h>
 
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <thread>
 
@@ -194,6 +195,81 @@ TEST(PeerFaults, DoneAnsweredBeforeTheLastChunkIsAProtocolError) {
   }
   release.set_value();
   fake_server.join();
+}
+
+// A read into many small pieces asks for them all in one READ_RANGES; the owner answers each
+// range with a DATA naming its address, in any order. `lie` answers one piece at an address
+// that no range names instead.
+struct RangesServer {
+  explicit RangesServer(bool lie)
+      : thread([this, lie] {
+          RawClient peer(RawClient::Adopt{}, listener.accept());
+          (void)peer.read_frame();  // HELLO
+          FrameHeader hello;
+          hello.type = FrameType::hello;
+          peer.send_frame(hello, "ranges");
+          auto f = peer.read_frame();
+          if (!f) return;
+          type = f->header.type;
+          for (std::size_t at = 0; at + 16 <= f->payload.size(); at += 16) {
+            std::uint64_t addr = 0, len = 0;
+            std::memcpy(&addr, f->payload.data() + at, 8);
+            std::memcpy(&len, f->payload.data() + at + 8, 8);
+            ranges.emplace_back(addr, len);
+          }
+          const auto source = patterned(4096, 5);
+          for (auto it = ranges.rbegin(); it != ranges.rend(); ++it) {
+            FrameHeader d;
+            d.type = FrameType::data;
+            d.req_id = f->header.req_id;
+            d.addr = lie && it == ranges.rbegin() ? it->first + 1 : it->first;
+            d.len = it->second;
+            const std::vector<std::byte> bytes(source.begin() + (it->first - 0x10000),
+                                               source.begin() + (it->first - 0x10000 + it->second));
+            peer.send_frame(d, {}, bytes);
+          }
+          while (peer.read_frame()) {
+          }
+        }) {}
+  ~RangesServer() {
+    if (thread.joinable()) thread.join();
+  }
+  RawListener listener;
+  FrameType type = FrameType::hello;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+  std::thread thread;
+};
+
+TEST(PeerFaults, ManySmallPiecesAreAskedForInOneRequestAndMayArriveInAnyOrder) {
+  RangesServer server(/*lie=*/false);
+  std::vector<std::byte> dst(4096);
+  {
+    Connector client(quick("client"));
+    std::vector<Descriptor> pieces;
+    for (std::size_t i = 0; i < 8; ++i) pieces.emplace_back(dst.data() + i * 512, 512);
+    auto read =
+        client.begin_read(fake(OperationKind::read, server.listener.address(), "ranges"), pieces);
+    EXPECT_TRUE(read.wait_for_completion(5s));
+  }
+  server.thread.join();
+  EXPECT_EQ(server.type, FrameType::read_ranges);
+  ASSERT_EQ(server.ranges.size(), 8u);
+  for (std::size_t i = 0; i < 8; ++i)
+    EXPECT_EQ(server.ranges[i],
+              std::make_pair(std::uint64_t{0x10000 + i * 512}, std::uint64_t{512}));
+  EXPECT_EQ(first_mismatch(dst.data(), dst.size(), 5), -1);
+}
+
+TEST(PeerFaults, DataNamingNoRangeOfTheRequestIsAProtocolError) {
+  RangesServer server(/*lie=*/true);
+  std::vector<std::byte> dst(4096);
+  Connector client(quick("client"));
+  auto read =
+      client.begin_read(fake(OperationKind::read, server.listener.address(), "ranges"),
+                        {Descriptor(dst.data(), 1024), Descriptor(dst.data() + 1024, 3072)});
+  EXPECT_EQ(ended_with(read, 5s), ErrorCode::ProtocolError);
+  EXPECT_NE(read.error()->message().find("matches no range"), std::string::npos)
+      << read.error()->message();
 }
 
 TEST(PeerFaults, ServerThatNeverSendsHelloFails) {

@@ -251,5 +251,89 @@ TEST_F(TcpRegionHostileTest, OneConnectionCannotAttachWithoutBound) {
   EXPECT_EQ(attached, 256u);
 }
 
+// READ_RANGES: one request names a block list; the owner checks every range before any byte
+// moves, then answers each with a DATA naming its address.
+std::vector<std::byte> range_list(const std::vector<std::pair<std::uint64_t, std::uint64_t>>& rs) {
+  std::vector<std::byte> out(rs.size() * 16);
+  for (std::size_t i = 0; i < rs.size(); ++i) {
+    std::memcpy(out.data() + i * 16, &rs[i].first, 8);
+    std::memcpy(out.data() + i * 16 + 8, &rs[i].second, 8);
+  }
+  return out;
+}
+
+TEST_F(TcpRegionHostileTest, AReadOfRangesIsAnsweredByOneDataPerRangeNamingIt) {
+  auto region = make(RegionAccess::read);
+  const Target t = target(region);
+  RawClient c(t.address);
+  ASSERT_TRUE(c.connected() && c.greet("raw")) << c.error();
+  auto a = attach(c, t, transport::Access::read);
+  ASSERT_TRUE(a);
+  // Out of order, one range twice, one 1-byte range.
+  const std::vector<std::pair<std::uint64_t, std::uint64_t>> rs = {
+      {t.base + 8192, 4096}, {t.base, 100}, {t.base + 8192, 4096}, {t.base + kSize - 1, 1}};
+  const auto list = range_list(rs);
+  ASSERT_TRUE(c.send_frame(on(*a, FrameType::read_ranges, 7, 0, list.size()), {}, list));
+  for (const auto& [addr, len] : rs) {
+    auto f = c.read_frame();
+    EXPECT_TRUE(is_data(f, 7, len, kSeed, addr - t.base));
+    if (f) {
+      EXPECT_EQ(f->header.addr, addr);
+    }
+  }
+  // Nothing more for that request: the next answer is the next request's.
+  ASSERT_TRUE(c.send_frame(on(*a, FrameType::read, 8, t.base, 16)));
+  EXPECT_TRUE(is_data(c.read_frame(), 8, 16, kSeed, 0));
+}
+
+TEST_F(TcpRegionHostileTest, AReadOfRangesWithOneBadRangeMovesNoByte) {
+  auto region = make(RegionAccess::read);
+  const Target t = target(region);
+  RawClient c(t.address);
+  ASSERT_TRUE(c.connected() && c.greet("raw")) << c.error();
+  auto a = attach(c, t, transport::Access::read);
+  ASSERT_TRUE(a);
+  struct Case {
+    std::pair<std::uint64_t, std::uint64_t> bad;
+    ErrorCode code;
+    const char* point;
+  };
+  const Case cases[] = {
+      {{t.base + kSize - 10, 11}, ErrorCode::AccessDenied, "outside"},
+      {{t.base - 1, 1}, ErrorCode::AccessDenied, "outside"},
+      {{~std::uint64_t{0} - 4, 16}, ErrorCode::AccessDenied, "outside"},
+      {{t.base, 0}, ErrorCode::AccessDenied, "each takes 1 byte or more"},
+      {{t.base, TcpOptions{}.max_request}, ErrorCode::AccessDenied, "at most"},
+  };
+  std::uint64_t req = 10;
+  for (const Case& k : cases) {
+    // Good ranges on both sides of the bad one.
+    const auto list = range_list({{t.base, 64}, k.bad, {t.base + 64, 64}});
+    ASSERT_TRUE(c.send_frame(on(*a, FrameType::read_ranges, ++req, 0, list.size()), {}, list));
+    EXPECT_TRUE(is_status(c.read_frame(), req, k.code, k.point))
+        << k.bad.first << "+" << k.bad.second;
+  }
+  // The attachment goes on: no DATA of the refused requests is left on the stream.
+  ASSERT_TRUE(c.send_frame(on(*a, FrameType::read, 99, t.base + 128, 16)));
+  EXPECT_TRUE(is_data(c.read_frame(), 99, 16, kSeed, 128));
+}
+
+TEST_F(TcpRegionHostileTest, AMalformedRangeListEndsTheConnection) {
+  auto region = make(RegionAccess::read);
+  const Target t = target(region);
+  for (std::uint64_t len :
+       {std::uint64_t{24}, std::uint64_t{(transport::wire::kMaxReadRanges + 1) * 16}}) {
+    RawClient c(t.address);
+    ASSERT_TRUE(c.connected() && c.greet("raw")) << c.error();
+    auto a = attach(c, t, transport::Access::read);
+    ASSERT_TRUE(a);
+    // Only the header: a server that waited for the list would time out here.
+    ASSERT_TRUE(c.send_frame(on(*a, FrameType::read_ranges, 1, 0, len)));
+    EXPECT_TRUE(is_status(c.read_frame(), 0, ErrorCode::ProtocolError,
+                          "READ_RANGES of " + std::to_string(len) + " bytes of ranges"));
+    EXPECT_TRUE(c.closed_by_peer()) << c.error();
+  }
+}
+
 }  // namespace
 }  // namespace ferry

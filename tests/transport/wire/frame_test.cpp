@@ -175,6 +175,7 @@ TEST(Frame, TypeValuesMatchTheProtocol) {
   EXPECT_EQ(static_cast<int>(FrameType::attached), 10);
   EXPECT_EQ(static_cast<int>(FrameType::ended), 11);
   EXPECT_EQ(static_cast<int>(FrameType::detach), 12);
+  EXPECT_EQ(static_cast<int>(FrameType::read_ranges), 13);
 }
 
 TEST(Frame, DataWriteClaimAndClaimedCarryPayload) {
@@ -191,10 +192,11 @@ TEST(Frame, DataWriteClaimAndClaimedCarryPayload) {
   EXPECT_TRUE(has_payload(FrameType::attached));
   EXPECT_TRUE(has_payload(FrameType::ended));
   EXPECT_FALSE(has_payload(FrameType::detach));
+  EXPECT_TRUE(has_payload(FrameType::read_ranges));
 }
 
 TEST(Malformed, AcceptsEveryKnownTypeWithAnyFields) {
-  for (int type = 1; type <= 12; ++type) {
+  for (int type = 1; type <= 13; ++type) {
     FrameHeader h = full_header();
     h.type = static_cast<FrameType>(type);
     h.msg_len = 0;
@@ -229,7 +231,7 @@ TEST(Malformed, CatchesUnknownVersion) {
 }
 
 TEST(Malformed, CatchesUnknownType) {
-  for (int type : {0, 13, 14, 15, 0x7f, 0xff}) {
+  for (int type : {0, 14, 15, 0x7f, 0xff}) {
     FrameHeader h;
     h.type = static_cast<FrameType>(type);
     const std::string what = malformed(h).value_or("");
