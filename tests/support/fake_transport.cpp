@@ -7,10 +7,13 @@
 #include "loop/ids.hpp"
 #include "loop/uv_handle.hpp"
 #include "sdk/src/transport_registry.hpp"
+#include "transport/kit/remote_region.hpp"
 
 namespace ferry::test {
 
 using transport::Access;
+using transport::AttachObserver;
+using transport::AttachSpec;
 using transport::Exposure;
 using transport::ExposureObserver;
 using transport::Region;
@@ -21,6 +24,7 @@ using transport::Transfer;
 using transport::TransferObserver;
 using transport::TransferSpec;
 using transport::kit::Exposures;
+using transport::kit::Regions;
 
 // ---------------------------------------------------------------------------------------
 // The fabric: every live transport's mailbox by its number.
@@ -136,9 +140,12 @@ struct FakeTransport::Request {
   Access access = Access::read;
   std::uint64_t addr = 0;
   std::uint64_t len = 0;
-  std::vector<std::byte> bytes;  ///< a write's payload, copied on the sender's loop
+  std::vector<std::byte> bytes;  ///< a write's payload, copied on the sender's loop; ENDED's ranges
   bool done = false;             ///< DONE: the sender finished (with `error`: failed)
   std::optional<Error> error;
+  /// With `done`: an ENDED instead, a transfer on attachment `op` ended; its tag for the owner,
+  /// and `bytes` the ranges it reached, as kit::claim_payload writes them.
+  std::optional<std::string> tag;
 };
 
 struct FakeTransport::Reply {
@@ -181,13 +188,44 @@ class FakeTransfer final : public Transfer {
   std::optional<Token> secret;
 };
 
+/// An attachment to a peer's region, the active side: see the file comment.
+class FakeRemoteRegion final : public transport::kit::RemoteRegionBase {
+ public:
+  FakeRemoteRegion(FakeTransport& transport, std::uint64_t region_key, AttachSpec what,
+                   AttachObserver& obs)
+      : RemoteRegionBase(transport.defer_, std::move(what), obs),
+        owner(&transport),
+        key(region_key) {}
+  ~FakeRemoteRegion() override {
+    if (owner != nullptr) owner->forget_region(*this);
+  }
+  std::unique_ptr<Transfer> start(TransferSpec s, TransferObserver& obs) override {
+    check_attached();
+    if (owner == nullptr) throw Error(ErrorCode::InvalidState, "the transport is closed");
+    s.remote_id = attachment;
+    s.token = secret;
+    s.endpoint = spec().endpoint;
+    s.peer_name = spec().peer_name;
+    if (!s.region_tag) s.region_tag = std::string();
+    return owner->start(std::move(s), obs);
+  }
+
+  FakeTransport* owner;  // null once the transport let go of it
+  const std::uint64_t key;
+  std::uint64_t peer = 0;  // the owner's number; 0 until it was found
+  std::string peer_desc;
+  std::uint64_t attachment = 0;  // its id at the owner, once attached
+  Token secret{};
+};
+
 // ---------------------------------------------------------------------------------------
 
 FakeTransport::FakeTransport(uv_loop_t* loop, Defer defer, Options options)
     : loop_(loop),
       defer_(defer),
       options_(std::move(options)),
-      exposures_(options_.method, std::move(defer)) {
+      exposures_(options_.method, std::move(defer)),
+      regions_(options_.method, exposures_, defer_) {
   if (options_.chunk_size == 0)
     throw Error(ErrorCode::InvalidArgument, "fake: chunk_size must be positive");
   caps_.method = options_.method;
@@ -228,6 +266,9 @@ void FakeTransport::close() {
     t->owner = nullptr;
   }
   transfers_.clear();
+  for (auto& [key, region] : remote_regions_) region->owner = nullptr;
+  remote_regions_.clear();
+  regions_.clear();
   exposures_.clear();
   std::map<std::uint64_t, std::weak_ptr<FakeMailbox>> contacts;
   std::vector<FakeMailbox::Task> dropped;
@@ -278,8 +319,11 @@ std::string FakeTransport::expose(const Exposure& exposure, ExposureObserver& ob
 void FakeTransport::revoke(std::uint64_t id, const Error& reason) {
   // Memory is copied only on this loop, under a check: once the entry is gone, no later
   // request touches it. A claimant with requests under way is answered with the reason.
-  if (std::uint64_t bound = exposures_.revoke(id); bound != 0)
-    send(bound, [me = id_, id, reason](FakeTransport& t) { t.on_revoked(me, id, reason); });
+  if (std::uint64_t bound = exposures_.revoke(id); bound != 0) tell_revoked(bound, id, reason);
+}
+
+void FakeTransport::tell_revoked(std::uint64_t peer, std::uint64_t id, const Error& reason) {
+  send(peer, [me = id_, id, reason](FakeTransport& t) { t.on_revoked(me, id, reason); });
 }
 
 std::string FakeTransport::describe_peer(std::uint64_t peer) const {
@@ -313,6 +357,15 @@ void FakeTransport::refuse(const Request& r, ErrorCode code, const std::string& 
 void FakeTransport::serve(Request r) {
   // Every request names its sender, as tcp's HELLO does once per connection.
   peers_[r.from] = Peer{r.from_name, r.from_id};
+  if (r.done && r.tag) {
+    serve_ended(r);
+    return;
+  }
+  if (r.done && regions_.is_attachment(r.op)) {
+    // A transfer on an attachment ends with ENDED; the attachment with DETACH.
+    refuse(r, ErrorCode::ProtocolError, "DONE names an attachment");
+    return;
+  }
   if (r.done) {
     serve_done(r);
     return;
@@ -341,7 +394,8 @@ void FakeTransport::serve(Request r) {
     reply.bytes.assign(v.ptr, v.ptr + r.len);
   } else {
     std::memcpy(v.ptr, r.bytes.data(), r.len);
-    exposures_.landed(r.op, r.addr, r.len);
+    // An attachment is never done: what it wrote is not counted (and would only grow).
+    if (!regions_.is_attachment(r.op)) exposures_.landed(r.op, r.addr, r.len);
   }
   if (options_.control) ++options_.control->chunks_served_;
   answer(r.from, std::move(reply));
@@ -428,10 +482,7 @@ void FakeTransport::pump(FakeTransfer& t) {
   const bool writing = t.spec.access == Access::write;
   while (t.seg < t.spec.segments.size() && t.spec.segments[t.seg].len == 0) ++t.seg;
 
-  Request r;
-  r.from = id_;
-  r.from_name = options_.local_name;
-  r.from_id = options_.local_id != 0 ? loop::hex16(options_.local_id) : std::string();
+  Request r = request_from_me();
   r.transfer = t.id;
   r.op = t.spec.remote_id;
   r.token = t.spec.token;
@@ -455,8 +506,13 @@ void FakeTransport::pump(FakeTransfer& t) {
     }
   } else {
     // Every chunk is in place. A write waits for the owner's DONE answer (it checks that
-    // every byte was written); a read is complete now, and the owner may let go.
+    // every byte was written); a read is complete now, and the owner may let go. On an
+    // attachment the same, by ENDED: the answer to a write's says its bytes are in.
     r.done = true;
+    if (t.spec.region_tag) {
+      r.tag = *t.spec.region_tag;
+      r.bytes = transport::kit::claim_payload(t.spec.segments);
+    }
     if (writing) {
       r.req = next_req_++;
       t.waiting = Waiting::done;
@@ -520,20 +576,25 @@ void FakeTransport::on_revoked(std::uint64_t from, std::uint64_t op, const Error
     if (t->finished || t->peer != from || t->spec.remote_id != op) continue;
     finish(*t, Error(reason.code(), "peer " + t->peer_desc + " refused: " + reason.message()));
   }
+  for (auto& [key, region] : remote_regions_)
+    if (region->peer == from && region->attachment == op)
+      region->on_ended(Error(reason.code(), "peer " + region->peer_desc +
+                                                " ended the attachment: " + reason.message()));
 }
 
 void FakeTransport::send_done_notice(FakeTransfer& t, const Error& error) {
   if (t.peer == 0) return;
-  Request r;
-  r.from = id_;
-  r.from_name = options_.local_name;
-  r.from_id = options_.local_id != 0 ? loop::hex16(options_.local_id) : std::string();
+  Request r = request_from_me();
   r.transfer = t.id;
   r.op = t.spec.remote_id;
   r.token = t.spec.token;
   r.access = t.spec.access;
   r.done = true;
   r.error = error;
+  if (t.spec.region_tag) {
+    r.tag = *t.spec.region_tag;
+    r.bytes = transport::kit::claim_payload(t.spec.segments);
+  }
   send(t.peer, [r = std::move(r)](FakeTransport& owner) mutable { owner.serve(std::move(r)); });
 }
 
@@ -576,6 +637,167 @@ void FakeTransport::forget(FakeTransfer& t) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Regions, the owner's side
+
+std::string FakeTransport::serve_region(const transport::RegionExposure& region,
+                                        transport::RegionObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  regions_.add(region, observer);
+  return {};
+}
+
+void FakeTransport::serve_attach(std::uint64_t from, const Peer& who, std::uint64_t key,
+                                 std::uint64_t region, const Token& token, Access access) {
+  peers_[from] = who;
+  Regions::Verdict v = regions_.attach(region, token, static_cast<std::uint16_t>(access), from,
+                                       who.name, describe_peer(from), who.id);
+  std::optional<Error> refusal;
+  if (!v.ok()) refusal = Error(v.code, v.message);
+  const bool delivered =
+      send(from, [me = id_, key, att = v.attachment, secret = v.secret, refusal](FakeTransport& t) {
+        t.on_attach_answer(me, key, att, secret, refusal);
+      });
+  if (!delivered) lose_peer(from, "the peer is gone");
+}
+
+void FakeTransport::serve_ended(Request& r) {
+  std::optional<Error> outcome;
+  if (r.error) {
+    const std::string& message = r.error->message();
+    outcome = Error(r.error->code(),
+                    "peer " + describe_peer(r.from) + " ended the transfer: " +
+                        (message.empty() ? std::string(to_string(r.error->code())) : message));
+  }
+  Regions::Verdict v =
+      regions_.ended(r.op, r.token, static_cast<std::uint16_t>(r.access), std::move(outcome),
+                     std::move(*r.tag), r.bytes.data(), r.bytes.size(), r.from);
+  if (r.req == 0) return;  // a notice: nobody waits for the answer
+  if (!v.ok()) {
+    refuse(r, v.code, v.message);
+    return;
+  }
+  Reply reply;
+  reply.transfer = r.transfer;
+  reply.req = r.req;
+  answer(r.from, std::move(reply));
+}
+
+void FakeTransport::serve_detach(std::uint64_t from, std::uint64_t attachment,
+                                 const Token& secret) {
+  regions_.detach(attachment, secret, from);
+}
+
+void FakeTransport::revoke_attachment(std::uint64_t attachment, const Error& reason) {
+  // As revoke(): once the attachment's exposure is gone, no later chunk touches the memory.
+  if (!regions_.is_attachment(attachment)) return;
+  if (std::uint64_t peer = regions_.revoke(attachment); peer != 0)
+    tell_revoked(peer, attachment, reason);
+}
+
+std::vector<std::uint64_t> FakeTransport::attachments_of_peer(std::uint64_t id,
+                                                              const std::string& peer_id) const {
+  return regions_.attachments_of_peer(id, peer_id);
+}
+
+void FakeTransport::end_region(std::uint64_t id, const Error& reason) {
+  for (const auto& [attachment, peer] : regions_.end(id))
+    if (peer != 0) tell_revoked(peer, attachment, reason);
+}
+
+// ---------------------------------------------------------------------------------------
+// Regions, the active side
+
+FakeTransport::Request FakeTransport::request_from_me() const {
+  Request r;
+  r.from = id_;
+  r.from_name = options_.local_name;
+  r.from_id = options_.local_id != 0 ? loop::hex16(options_.local_id) : std::string();
+  return r;
+}
+
+std::unique_ptr<transport::RemoteRegion> FakeTransport::attach(AttachSpec spec,
+                                                               AttachObserver& observer) {
+  if (closed_) throw Error(ErrorCode::InvalidState, "the transport is closed");
+  const std::uint64_t peer = parse_address(spec.endpoint.address);
+  if (peer == 0)
+    throw Error(ErrorCode::InvalidMetadata,
+                caps_.method + " endpoint '" + spec.endpoint.address + "' is not fake:<number>",
+                "endpoints");
+  const FaultPolicy faults = policy();
+  const std::string refused = caps_.method + ": set-up refused by the test's fault policy";
+  if (faults.setup == FaultPolicy::Setup::throw_error) throw Error(faults.setup_code, refused);
+
+  auto region =
+      std::make_unique<FakeRemoteRegion>(*this, next_region_++, std::move(spec), observer);
+  remote_regions_[region->key] = region.get();
+  region->peer_desc = "'" + region->spec().peer_name + "' at " + region->spec().endpoint.address;
+  if (faults.setup == FaultPolicy::Setup::report_failure) {
+    region->on_lost(Error(faults.setup_code, refused), /*setup=*/true);
+    return region;
+  }
+  const Request me = request_from_me();
+  const bool posted =
+      send(peer, [from = me.from, who = Peer{me.from_name, me.from_id}, key = region->key,
+                  id = region->spec().region, token = region->spec().token,
+                  access = region->spec().access](FakeTransport& owner) {
+        owner.serve_attach(from, who, key, id, token, access);
+      });
+  if (!posted) {
+    region->on_lost(Error(ErrorCode::PeerLost, "cannot connect to peer " + region->peer_desc +
+                                                   ": no fake transport there"),
+                    /*setup=*/true);
+    return region;
+  }
+  region->peer = peer;
+  return region;
+}
+
+void FakeTransport::on_attach_answer(std::uint64_t from, std::uint64_t key,
+                                     std::uint64_t attachment, const Token& secret,
+                                     const std::optional<Error>& refusal) {
+  auto it = remote_regions_.find(key);
+  if (it == remote_regions_.end() || it->second->peer != from) {
+    // Given up while its ATTACH was on the way: end the attachment the owner made for nobody.
+    if (!refusal)
+      send(from, [me = id_, attachment, secret](FakeTransport& owner) {
+        owner.serve_detach(me, attachment, secret);
+      });
+    return;
+  }
+  FakeRemoteRegion& region = *it->second;
+  if (refusal) {
+    const std::string& message = refusal->message();
+    region.on_refused(Error(
+        refusal->code(),
+        "peer " + region.peer_desc +
+            " refused: " + (message.empty() ? std::string(to_string(refusal->code())) : message)));
+    return;
+  }
+  region.attachment = attachment;
+  region.secret = secret;
+  region.on_attach();
+}
+
+void FakeTransport::forget_region(FakeRemoteRegion& region) {
+  remote_regions_.erase(region.key);
+  region.owner = nullptr;
+  if (region.peer == 0 || !region.attached()) return;
+  // Its transfers still under way end as cancel() ends them (no observer call follows, the
+  // owner hears each one ended), then the owner hears the DETACH behind them.
+  const Error reason(ErrorCode::Cancelled, "the attachment was detached");
+  for (auto& [id, t] : transfers_) {
+    if (t->finished || t->peer != region.peer || !t->spec.region_tag ||
+        t->spec.remote_id != region.attachment)
+      continue;
+    finish(*t, reason);
+    t->notified = true;  // the deferred report finds it told already
+    send_done_notice(*t, reason);
+  }
+  send(region.peer, [me = id_, attachment = region.attachment, secret = region.secret](
+                        FakeTransport& owner) { owner.serve_detach(me, attachment, secret); });
+}
+
+// ---------------------------------------------------------------------------------------
 // Links
 
 void FakeTransport::lose_peer(std::uint64_t peer, const std::string& why) {
@@ -583,6 +805,11 @@ void FakeTransport::lose_peer(std::uint64_t peer, const std::string& why) {
     if (!t->finished && t->peer == peer)
       finish(*t,
              Error(ErrorCode::PeerLost, "connection to peer " + t->peer_desc + " lost: " + why));
+  for (auto& [key, region] : remote_regions_)
+    if (region->peer == peer)
+      region->on_lost(
+          Error(ErrorCode::PeerLost, "connection to peer " + region->peer_desc + " lost: " + why),
+          /*setup=*/false);
   exposures_.lose_connection(
       peer, Error(ErrorCode::PeerLost, "peer " + describe_peer(peer) + " disconnected: " + why));
 }

@@ -2,7 +2,7 @@
 
 // An in-process transport for tests: the Transport contract (transport/transport.hpp) without
 // sockets, so that Core can be tested alone and every transport can be held to the same
-// conformance suite (tests/transport/conformance_test.cpp).
+// conformance suites (tests/transport/conformance_test.cpp, region_conformance_test.cpp).
 //
 // Every FakeTransport joins a process-wide fabric under an address of its own, "fake:<n>".
 // An active transfer asks the owner of the exposure for one chunk at a time by posting to the
@@ -20,6 +20,15 @@
 // texts of ExposureTable, as tcp's do. Where tcp and the contract differ, the fake follows the
 // contract: a peer it cannot find is a set-up failure (on_transfer_setup_failed), and a revoke
 // answers the claimant's transfers with the revoke's reason.
+//
+// Regions (docs/regions.md) are served with the kit every transport shares (kit::Regions): an
+// ATTACH through the owner's mailbox makes an attachment bound to the link it came by, with a
+// secret of its own; its transfers are transfers as above under that id and secret, each
+// ending with an ENDED instead of a DONE (a successful write's answered, the others notices).
+// Revoking an attachment or ending the region tells the peer, whose transfers on it end with
+// the reason; the memory is safe before that, since every chunk is checked on the owner's loop.
+// The fault policy applies to attach() as to start() (set-up faults) and to the transfers on
+// an attachment as to any other.
 
 #include <uv.h>
 
@@ -35,17 +44,22 @@
 #include <vector>
 
 #include "transport/kit/exposures.hpp"
+#include "transport/kit/regions.hpp"
 #include "transport/kit/registration_cache.hpp"
+#include "transport/region.hpp"
 #include "transport/transport.hpp"
 
 namespace ferry::test {
 
-/// Faults a FakeTransport injects as the active side of its transfers.
+/// Faults a FakeTransport injects as the active side of its transfers and attachments.
 struct FaultPolicy {
   enum class Setup : std::uint8_t {
     none,
-    throw_error,     ///< start() throws Error(setup_code): refused at once
-    report_failure,  ///< start() returns; the observer hears on_transfer_setup_failed(setup_code)
+    /// start() and attach() throw Error(setup_code): refused at once
+    throw_error,
+    /// start() and attach() return; the observer hears on_transfer_setup_failed(setup_code),
+    /// or on_attach_failed(setup_code, setup = true)
+    report_failure,
   };
   Setup setup = Setup::none;
   ErrorCode setup_code = ErrorCode::Unsupported;
@@ -82,6 +96,7 @@ class FakeControl {
 
 struct FakeMailbox;
 class FakeTransfer;
+class FakeRemoteRegion;
 
 /// See the file comment. Every method runs on the loop thread of the loop it was made on,
 /// constructor and destructor included.
@@ -120,9 +135,19 @@ class FakeTransport final : public transport::Transport {
                                              transport::TransferObserver& observer) override;
   void close() override;
 
+  bool serves_regions() const override { return true; }
+  std::string serve_region(const transport::RegionExposure& region,
+                           transport::RegionObserver& observer) override;
+  void revoke_attachment(std::uint64_t attachment, const Error& reason) override;
+  std::vector<std::uint64_t> attachments_of_peer(std::uint64_t id,
+                                                 const std::string& peer_id) const override;
+  void end_region(std::uint64_t id, const Error& reason) override;
+  std::unique_ptr<transport::RemoteRegion> attach(transport::AttachSpec spec,
+                                                  transport::AttachObserver& observer) override;
+
   /// "fake:<n>".
   const std::string& address() const noexcept { return address_; }
-  /// Exposures served now.
+  /// Exposures served now, a live attachment counting as one.
   std::size_t exposures() const noexcept { return exposures_.size(); }
   /// Drops the link to the transport at `address` as a broken connection would: transfers
   /// between the two fail, exposures either side claimed over it are lost (PeerLost).
@@ -131,6 +156,7 @@ class FakeTransport final : public transport::Transport {
  private:
   friend struct FakeMailbox;
   friend class FakeTransfer;
+  friend class FakeRemoteRegion;
 
   struct Request;
   struct Reply;
@@ -143,6 +169,12 @@ class FakeTransport final : public transport::Transport {
   // The owner's side: requests from active transfers, answered on this loop.
   void serve(Request r);
   void serve_done(Request& r);
+  void serve_ended(Request& r);
+  void serve_attach(std::uint64_t from, const Peer& who, std::uint64_t key, std::uint64_t region,
+                    const transport::Token& token, transport::Access access);
+  void serve_detach(std::uint64_t from, std::uint64_t attachment, const transport::Token& secret);
+  /// Tells the peer at `peer` that exposure or attachment `id` ended with `reason`.
+  void tell_revoked(std::uint64_t peer, std::uint64_t id, const Error& reason);
   void refuse(const Request& r, ErrorCode code, const std::string& message);
   void answer(std::uint64_t to, Reply reply);
   std::optional<transport::Token> claim(transport::kit::Exposures::Entry& entry,
@@ -157,6 +189,11 @@ class FakeTransport final : public transport::Transport {
   void finish(FakeTransfer& t, std::optional<Error> error, bool setup = false);
   void cancel_transfer(FakeTransfer& t, const Error& reason);
   void forget(FakeTransfer& t);
+  void on_attach_answer(std::uint64_t from, std::uint64_t key, std::uint64_t attachment,
+                        const transport::Token& secret, const std::optional<Error>& refusal);
+  void forget_region(FakeRemoteRegion& region);
+  /// The request fields every message of this side carries: who sends it.
+  Request request_from_me() const;
 
   // Both: the link to a peer is gone.
   void lose_peer(std::uint64_t peer, const std::string& why);
@@ -173,10 +210,13 @@ class FakeTransport final : public transport::Transport {
   std::shared_ptr<FakeMailbox> box_;
 
   transport::kit::Exposures exposures_;
+  transport::kit::Regions regions_;  ///< its attachments are exposures in exposures_
   transport::kit::RegistrationCache registrations_{nullptr};
   std::unordered_map<std::uint64_t, Peer> peers_;  ///< who sent requests, from their requests
   std::unordered_map<std::uint64_t, FakeTransfer*> transfers_;
+  std::unordered_map<std::uint64_t, FakeRemoteRegion*> remote_regions_;  ///< by key
   std::uint64_t next_transfer_ = 1;
+  std::uint64_t next_region_ = 1;
   std::uint64_t next_req_ = 1;
   /// Deferred observer calls hold it weakly: they do nothing once the transport is closed.
   std::shared_ptr<int> life_ = std::make_shared<int>(0);
