@@ -67,6 +67,10 @@ struct AttachSpec {
   Access access = Access::read;  ///< what this attachment will do: read, write or both
   Endpoint endpoint;             ///< the owner's endpoint of this transport's method
   std::string peer_name;         ///< for error messages
+  /// The region's memory at its owner, as (address, length) ranges (its metadata's
+  /// descriptors). Every transfer's remote ranges are checked against them at start(), before
+  /// any byte moves (the one-sided methods' owners see no request to refuse); empty: no check.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
 };
 
 /// How a transport reports on an attachment, the active side. Called on the loop thread,

@@ -74,6 +74,7 @@ bool AttachmentState::try_next() {
     spec.access = access_of(wanted.value_or(m.access));
     spec.endpoint = endpoint;
     spec.peer_name = m.owner.name;
+    for (const RemoteDescriptor& d : m.descriptors) spec.ranges.emplace_back(d.ptr, d.size);
     try {
       transport_ = t;
       remote_ = t->attach(std::move(spec), *this);

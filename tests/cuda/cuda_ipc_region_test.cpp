@@ -410,6 +410,7 @@ struct Served {
   Token token{};
   Endpoint endpoint;
   std::uint64_t base = 0;  ///< the region's first byte in the owner
+  std::uint64_t size = 0;  ///< its bytes
 };
 
 /// A transport on a loop of its own, with what it attached and started. Destructor: all of it
@@ -446,6 +447,7 @@ class Peer {
     spec.access = Access::read_write;
     spec.endpoint = s.endpoint;
     spec.peer_name = "owner";
+    spec.ranges = {{s.base, s.size}};  // as the metadata's descriptors give them
     RemoteRegion& r =
         *regions_.emplace_back(loop_.call([&] { return transport_->attach(spec, log); }));
     EXPECT_TRUE(log.wait(AttachLog::attached)) << "neither attached nor refused";
@@ -608,6 +610,7 @@ class CudaIpcRegion : public ::testing::Test {
     std::string word, token, address, info;
     Served s;
     in >> word >> s.id >> token >> address >> info >> s.base;
+    s.size = len != 0 ? len : size - at;
     EXPECT_EQ(word, "REGION");
     EXPECT_TRUE(token_from_hex(token, s.token));
     s.endpoint = Endpoint{"cuda_ipc", text_of(address), text_of(info)};

@@ -202,6 +202,7 @@ class FakeRemoteRegion final : public transport::kit::RemoteRegionBase {
   std::unique_ptr<Transfer> start(TransferSpec s, TransferObserver& obs) override {
     check_attached();
     if (owner == nullptr) throw Error(ErrorCode::InvalidState, "the transport is closed");
+    if (auto refused = refuse_outside(s, obs)) return refused;
     s.remote_id = attachment;
     s.token = secret;
     s.endpoint = spec().endpoint;

@@ -235,6 +235,8 @@ class RegionConformance : public ::testing::TestWithParam<Harness>, public Rig {
     spec.endpoint = owner.endpoint();
     spec.endpoint.info = info_;
     spec.peer_name = owner.params().name;
+    // As the SDK gives them, from the metadata's descriptors.
+    for (const Region& r : region.regions) spec.ranges.emplace_back(address_of(r.ptr), r.size);
     return spec;
   }
   /// Attaches `active` to `region` of `owner`; waits until attached.

@@ -31,6 +31,7 @@ class RemoteRegion final : public kit::RemoteRegionBase {
 
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override {
     check_attached();
+    if (auto refused = refuse_outside(spec, observer)) return refused;
     spec.remote_id = attach.attachment;
     spec.token = attach.secret;
     spec.endpoint = this->spec().endpoint;

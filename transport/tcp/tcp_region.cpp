@@ -13,6 +13,7 @@ TcpRemoteRegion::~TcpRemoteRegion() { owner_.forget_region(*this, /*detach=*/att
 
 std::unique_ptr<Transfer> TcpRemoteRegion::start(TransferSpec spec, TransferObserver& observer) {
   check_attached();
+  if (auto refused = refuse_outside(spec, observer)) return refused;
   spec.remote_id = attachment_;
   spec.token = secret_;
   spec.endpoint = this->spec().endpoint;

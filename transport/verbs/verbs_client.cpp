@@ -68,6 +68,9 @@ VerbsClient::VerbsClient(VerbsTransport& t, Defer defer)
 VerbsClient::~VerbsClient() { close(); }
 
 void VerbsClient::close() {
+  // Attachments may outlive this client (their owners drop them after the transport closed).
+  for (auto& [key, region] : regions_) region->orphan();
+  regions_.clear();
   transfers_.detach_all();
   pending_.clear();
   chunk_regs_.clear();

@@ -13,16 +13,20 @@ namespace ferry::transport::verbs {
 using wire::FrameHeader;
 using wire::FrameType;
 
-VerbsRemoteRegion::~VerbsRemoteRegion() { client_.forget_region(*this); }
+VerbsRemoteRegion::~VerbsRemoteRegion() {
+  if (client_ != nullptr) client_->forget_region(*this);
+}
 
 std::unique_ptr<Transfer> VerbsRemoteRegion::start(TransferSpec spec, TransferObserver& observer) {
+  if (client_ == nullptr) throw Error(ErrorCode::InvalidState, "the verbs transport is closed");
   check_attached();
+  if (auto refused = refuse_outside(spec, observer)) return refused;
   spec.remote_id = attachment;
   spec.token = secret;
   spec.endpoint = this->spec().endpoint;
   spec.peer_name = this->spec().peer_name;
   if (!spec.region_tag) spec.region_tag = std::string();
-  return client_.start_attached(*this, std::move(spec), observer);
+  return client_->start_attached(*this, std::move(spec), observer);
 }
 
 std::unique_ptr<RemoteRegion> VerbsClient::attach(AttachSpec spec, AttachObserver& observer) {

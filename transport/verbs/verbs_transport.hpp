@@ -160,9 +160,15 @@ class VerbsRemoteRegion final : public kit::RemoteRegionBase {
                     AttachObserver& observer)
       : RemoteRegionBase(std::move(defer), std::move(spec), observer),
         key(region_key),
-        client_(client) {}
+        client_(&client) {}
   ~VerbsRemoteRegion() override;
   std::unique_ptr<Transfer> start(TransferSpec spec, TransferObserver& observer) override;
+  /// The transport closed (its client goes before this object may): nothing more is sent, and
+  /// start() refuses.
+  void orphan() noexcept {
+    client_ = nullptr;
+    conn = 0;
+  }
 
   const std::uint64_t key;
   std::uint64_t conn = 0;  ///< 0 once its connection is gone
@@ -172,7 +178,7 @@ class VerbsRemoteRegion final : public kit::RemoteRegionBase {
   std::vector<Window> windows;  ///< sorted by address
 
  private:
-  VerbsClient& client_;
+  VerbsClient* client_;  ///< null once the transport closed
 };
 
 /// The active side of verbs: transfers on connections, their requests, work requests and
