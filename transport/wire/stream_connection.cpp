@@ -443,8 +443,13 @@ void StreamConnection::read_some() {
     if ((backlogged_ && broken_.empty()) || budget == 0) return;
     const bool direct = ahead == nullptr || into.size() >= kDirect;
     std::byte* to = direct ? into.data() : ahead->bytes;
-    const std::size_t room =
-        direct ? std::min<std::size_t>(into.size(), 1u << 30) : sizeof ahead->bytes;
+    // Right after a payload read straight into its sink, the next frame likely has one too:
+    // read ahead only its header, so that its payload goes straight into its sink as well
+    // instead of through the buffer (a second copy of every byte of a stream of 16 KiB blocks).
+    const std::size_t room = direct  ? std::min<std::size_t>(into.size(), 1u << 30)
+                             : bulk_ ? kHeaderSize
+                                     : sizeof ahead->bytes;
+    bulk_ = direct;
     const ssize_t n = ::read(fd_, to, room);
     if (n == 0) {
       fail(broken_.empty() ? "connection closed by the peer" : broken_);

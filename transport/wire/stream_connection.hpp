@@ -222,6 +222,7 @@ class StreamConnection : private FrameReader::Handler {
   // client that never reads cannot make it grow without bound.
   std::uint64_t owned_bytes_ = 0;
   bool backlogged_ = false;
+  bool bulk_ = false;  ///< the last read went straight into a payload's sink
 
   std::deque<OutFrame> out_;
   FrameReader reader_{*this};
