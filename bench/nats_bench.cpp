@@ -22,6 +22,12 @@
 //                        the server in time: 4s' - 4e' is the metadata request without the race
 //                        (its answer still queues on the owner's worker thread behind the SUB
 //                        of the next readable and the UNSUB of the last one)
+//   RegionReadBySubject  5s: a region (docs/regions.md) of 64 KiB served at a subject; the
+//                        peer attaches once by that subject (one NATS request/reply, before
+//                        the timing), then each iteration reads the whole region on the
+//                        attachment. The attach itself is the counter attach_us
+//   RegionReadExplicit   5e: the same, attached with the region's metadata in hand. The issue
+//                        asks 5s/5e <= 1.2: per-transfer NATS traffic is zero either way
 //   EventLoopPostRoundTrip  H: a task posted to an EventLoop that wakes the poster: the price
 //                        of two thread hops, to read (3) - B by (3 makes about 14 hops, B 7)
 //
@@ -335,6 +341,54 @@ void FerryReadBySubjectAhead(benchmark::State& state) { ferry_read(state, true, 
 void FerryReadExplicitAhead(benchmark::State& state) { ferry_read(state, false, true, "4e'"); }
 
 // ---------------------------------------------------------------------------------------------
+// 5: transfers on a region's attachment, attached by subject or by metadata in hand.
+
+constexpr std::size_t kRegion = 64u << 10;
+
+void region_read(benchmark::State& state, bool by_subject, const std::string& key) {
+  try {
+    ferry::Connector owner(connector_options("bench-owner"));
+    ferry::Connector peer(connector_options("bench-peer"));
+    std::vector<std::byte> pool(kRegion, std::byte{2});
+    std::vector<std::byte> dst(kRegion);
+    static std::atomic<std::uint64_t> next_subject{0};
+    ferry::RegionOptions ro;
+    ro.access = ferry::RegionAccess::read;
+    ro.queue_events = false;
+    if (by_subject) ro.subject = "bench.region." + std::to_string(next_subject++);
+    auto region = owner.create_region({ferry::Descriptor(pool.data(), kRegion)}, ro);
+    // The serving SUB may reach the server after create_region returns: the attach retries.
+    const auto t0 = Clock::now();
+    auto attachment = by_subject ? peer.attach(ferry::Subject(ro.subject))
+                                 : peer.attach(region.metadata());
+    attachment.wait_attached();
+    state.counters["attach_us"] =
+        std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    ferry::TransferOptions options;
+    options.timeout = std::chrono::seconds(10);  // a lost iteration fails instead of hanging
+    auto read = [&] {
+      auto op = attachment.read({ferry::RegionRange{0, kRegion}},
+                                {ferry::Descriptor(dst.data(), kRegion)}, options);
+      op.wait_for_completion();
+    };
+    read();  // warm up
+    Samples samples(state);
+    for (auto _ : state) {
+      const auto t1 = Clock::now();
+      read();
+      samples.add(Clock::now() - t1);
+    }
+    samples.finish(key);
+    if (dst != pool) state.SkipWithError("the bytes read differ from the region's");
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+void RegionReadBySubject(benchmark::State& state) { region_read(state, true, "5s"); }
+void RegionReadExplicit(benchmark::State& state) { region_read(state, false, "5e"); }
+
+// ---------------------------------------------------------------------------------------------
 // H: the price of a thread hop here, for reading (3): a task posted to an EventLoop (uv_async)
 // that wakes the posting thread (promise), i.e. two hops.
 
@@ -363,6 +417,8 @@ BENCHMARK(FerryReadBySubject)->Apply(configure);
 BENCHMARK(FerryReadExplicit)->Apply(configure);
 BENCHMARK(FerryReadBySubjectAhead)->Apply(configure);
 BENCHMARK(FerryReadExplicitAhead)->Apply(configure);
+BENCHMARK(RegionReadBySubject)->Apply(configure);
+BENCHMARK(RegionReadExplicit)->Apply(configure);
 BENCHMARK(EventLoopPostRoundTrip)->Apply(configure);
 
 // ---------------------------------------------------------------------------------------------
@@ -401,6 +457,8 @@ void print_summary() {
       {"4e", "ferry 64 B read, explicit metadata"},
       {"4s'", "  by subject, readable created ahead"},
       {"4e'", "  explicit, readable created ahead"},
+      {"5s", "ferry 64 KiB region read, attached by subject"},
+      {"5e", "ferry 64 KiB region read, attached by metadata"},
       {"H", "two thread hops through an EventLoop"},
   };
   std::printf("\nSummary (microseconds per round trip or per operation, this run):\n");
@@ -428,6 +486,7 @@ void print_summary() {
   };
   ratio("B/A", "B", "A");
   ratio("(3)/B", "3", "B");
+  ratio("(5 subject)/(5 explicit)", "5s", "5e");
   diff("(4 subject)-(4 explicit)", "4s", "4e");
   diff("ahead: (4s')-(4e')", "4s'", "4e'");
   diff("(3)-B", "3", "B");
