@@ -88,11 +88,21 @@ void install_stop_handlers() {
   signal(SIGPIPE, SIG_IGN);
 }
 
-// --key value options.
+// --key value options; an option the role does not know, or one without its value, is an
+// error (a typo would otherwise run the defaults silently).
 struct Args {
   std::map<std::string, std::string> values;
-  Args(int argc, char** argv, int from) {
-    for (int i = from; i + 1 < argc; i += 2) values[argv[i]] = argv[i + 1];
+  Args(int argc, char** argv, int from, const std::vector<std::string>& known) {
+    for (int i = from; i < argc; i += 2) {
+      const std::string key = argv[i];
+      if (std::find(known.begin(), known.end(), key) == known.end()) {
+        std::string list;
+        for (const auto& k : known) list += " " + k;
+        throw std::invalid_argument("unknown option '" + key + "'; this role takes:" + list);
+      }
+      if (i + 1 >= argc) throw std::invalid_argument("option " + key + " needs a value");
+      values[key] = argv[i + 1];
+    }
   }
   std::string str(const std::string& key, std::string fallback) const {
     auto it = values.find(key);
@@ -725,7 +735,7 @@ bool run_batch(Nats& nats, const Args& args, const std::string& mode, double& ra
   std::printf("bytes moved  %.1f MiB of KV cache, every byte verified by the decode worker\n",
               static_cast<double>(bytes) / (1 << 20));
   std::printf("method       ");
-  for (auto& [m, n] : by_method) std::printf("%s (%d) ", m.c_str(), n);
+  for (auto& [m, n] : by_method) std::printf("%s: %d requests  ", m.c_str(), n);
   std::printf("\nprefill      ");
   for (auto& [w, n] : by_prefill) std::printf("%s: %d  ", w.c_str(), n);
   std::printf("\nlatency ms   p50 %.2f  p90 %.2f  p99 %.2f  max %.2f  (verified requests)\n",
@@ -851,9 +861,24 @@ int run_all(const char* self, const Args& args) {
 
 int main(int argc, char** argv) {
   install_stop_handlers();
-  std::string role = argc > 1 ? argv[1] : "all";
-  Args args(argc, argv, argc > 1 ? 2 : 1);
+  const bool named = argc > 1 && argv[1][0] != '-';
+  const std::string role = named ? argv[1] : "all";
+  const std::vector<std::string> decode = {
+      "--name",    "--blocks", "--layers", "--tokens-per-block", "--bytes-per-token",
+      "--threads", "--device"};
+  const std::vector<std::string> prefill = {"--name", "--threads", "--device"};
+  const std::vector<std::string> client = {"--requests",   "--concurrency", "--min-tokens",
+                                           "--max-tokens", "--mode",        "--compare-modes"};
+  std::vector<std::string> all = {"--prefill"};
+  for (const auto* v : {&decode, &prefill, &client})
+    for (const auto& k : *v)
+      if (std::find(all.begin(), all.end(), k) == all.end()) all.push_back(k);
   try {
+    const Args args(argc, argv, named ? 2 : 1,
+                    role == "decode"    ? decode
+                    : role == "prefill" ? prefill
+                    : role == "client"  ? client
+                                        : all);
     if (role == "decode") return run_decode(args);
     if (role == "prefill") return run_prefill(args);
     if (role == "client") return run_client(args);
