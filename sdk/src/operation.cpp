@@ -49,6 +49,10 @@ bool Operation::wait_for_completion(std::chrono::nanoseconds timeout) const {
   return state().wait_for(timeout);
 }
 
+OperationStatus Operation::wait(std::chrono::nanoseconds timeout) const {
+  return state().wait_status(timeout);
+}
+
 void Operation::on_complete(CompletionCallback callback) {
   if (!callback) throw Error(ErrorCode::InvalidArgument, "on_complete needs a callback");
   state();

@@ -156,18 +156,21 @@ void OperationState::wait() const {
   throw_if_failed();
 }
 
-bool OperationState::wait_for(std::chrono::nanoseconds timeout) const {
+OperationStatus OperationState::wait_status(std::chrono::nanoseconds timeout) const {
   if (!core->loop->may_block()) throw wrong_thread();
-  {
-    // condition_variable::wait_for adds the timeout to now(): a huge timeout (say
-    // nanoseconds::max()) overflows into the past and returns at once. Cap it at a century
-    // and wait against a deadline computed without overflow.
-    using namespace std::chrono;
-    const auto cap = duration_cast<nanoseconds>(hours(24 * 365 * 100));
-    const auto deadline = steady_clock::now() + std::min(std::max(timeout, nanoseconds(0)), cap);
-    std::unique_lock lock(mu_);
-    if (!cv_.wait_until(lock, deadline, [&] { return is_final(status()); })) return false;
-  }
+  // condition_variable::wait_for adds the timeout to now(): a huge timeout (say
+  // nanoseconds::max()) overflows into the past and returns at once. Cap it at a century
+  // and wait against a deadline computed without overflow.
+  using namespace std::chrono;
+  const auto cap = duration_cast<nanoseconds>(hours(24 * 365 * 100));
+  const auto deadline = steady_clock::now() + std::min(std::max(timeout, nanoseconds(0)), cap);
+  std::unique_lock lock(mu_);
+  cv_.wait_until(lock, deadline, [&] { return is_final(status()); });
+  return status();
+}
+
+bool OperationState::wait_for(std::chrono::nanoseconds timeout) const {
+  if (!is_final(wait_status(timeout))) return false;
   throw_if_failed();
   return true;
 }

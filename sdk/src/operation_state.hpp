@@ -51,6 +51,9 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   std::optional<Error> error() const;
   void wait() const;
   bool wait_for(std::chrono::nanoseconds timeout) const;
+  /// Waits until the status is final or `timeout` passes; returns the status then. Never
+  /// throws the operation's error (WrongThread on the loop thread).
+  OperationStatus wait_status(std::chrono::nanoseconds timeout) const;
   void on_complete(CompletionCallback callback);
 
   /// Any thread: the method chosen, or empty.

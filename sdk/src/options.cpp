@@ -51,6 +51,11 @@ NatsOptions resolve(NatsOptions o, const std::string& connector_name) {
     fill(o.connection_name, "FERRY_NATS_NAME");
     fill(o.prefix, "FERRY_NATS_PREFIX");
   }
+  // An entry may hold a comma-separated list, as FERRY_NATS_URL does: both read alike.
+  std::vector<std::string> servers;
+  for (const std::string& entry : o.servers)
+    for (std::string& url : split_list(entry)) servers.push_back(std::move(url));
+  o.servers = std::move(servers);
   if (o.connection_name.empty()) o.connection_name = connector_name;
   if (o.prefix.empty()) o.prefix = "ferry";
   check_text(o.connection_name, "the NATS connection name", 256);

@@ -38,6 +38,31 @@ TEST_P(TransferTest, ReadableToRead) {
   EXPECT_EQ(first_mismatch(dst.data(), size, 1), -1);
 }
 
+// wait() returns the status the operation ended with, or the current one on timeout, and
+// never throws the operation's error (wait_for_completion does).
+TEST(Wait, ReturnsTheFinalStatusWithoutThrowing) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  auto src = patterned(4096, 3);
+  auto dst = buffer(4096);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  EXPECT_EQ(readable.wait(std::chrono::milliseconds(20)), OperationStatus::initialized);
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  EXPECT_EQ(read.wait(kWait), OperationStatus::complete);
+  EXPECT_EQ(readable.wait(), OperationStatus::complete);
+  // A read of a readable that is over fails: wait() says so, wait_for_completion throws.
+  auto late = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  EXPECT_EQ(late.wait(kWait), OperationStatus::errored);
+  ASSERT_TRUE(late.error().has_value());
+  EXPECT_EQ(late.error()->code(), ErrorCode::AccessDenied);
+  EXPECT_THROW((void)late.wait_for_completion(kWait), Error);
+  auto cancelled = owner.create_writable({Descriptor(dst.data(), dst.size())});
+  cancelled.cancel();
+  EXPECT_EQ(cancelled.wait(), OperationStatus::cancelled);
+  EXPECT_EQ(ReadOperation().status(), OperationStatus::uninitialized);
+  EXPECT_THROW((void)ReadOperation().wait(), Error);
+}
+
 TEST_P(TransferTest, WritableToWrite) {
   const std::size_t size = GetParam();
   auto src = patterned(size, 2);

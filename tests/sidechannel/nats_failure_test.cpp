@@ -195,6 +195,18 @@ TEST(NatsConnect, AnUnreachableServerIsAClearErrorAtConstruction) {
   }
 }
 
+TEST(NatsConnect, AServersEntryMayBeACommaSeparatedListAsTheEnvironmentIs) {
+  test::NatsServer server;
+  ConnectorOptions o = test::named("listed");
+  o.nats.use_environment = false;
+  o.nats.connect_timeout = 2s;
+  // The first is tried first and cannot be reached; the second can.
+  o.nats.servers = {"nats://127.0.0.1:" + std::to_string(test::free_port()) + ", " + server.url() +
+                    " ,"};
+  Connector c(o);
+  EXPECT_TRUE(c.has_side_channel());
+}
+
 TEST(NatsConnect, TheEnvironmentConfiguresTheSideChannel) {
   test::NatsServer server(test::NatsServer::Options{0, {"--user", "env", "--pass", "pw"}, {}});
   ::setenv("FERRY_NATS_URL", (" " + server.url() + " ,").c_str(), 1);

@@ -78,8 +78,15 @@ class Operation {
   /// Error(WrongThread) instead of deadlocking.
   void wait_for_completion() const;
   /// As above, but gives up after `timeout` and returns false; the operation goes on (its
-  /// own deadline is OperationOptions::timeout). Returns true once complete.
+  /// own deadline is OperationOptions::timeout). Returns true once complete. Note: it throws
+  /// when the operation failed, and returns false only on timeout: it is not a poll (use
+  /// wait() or status() for that).
   [[nodiscard]] bool wait_for_completion(std::chrono::nanoseconds timeout) const;
+  /// Waits until the operation ends or `timeout` passes, and returns its status then: a final
+  /// one (complete, cancelled, errored: error() says why) or, on timeout, the current one.
+  /// Never throws the operation's error; throws Error(WrongThread) on the connector's loop
+  /// thread, and Error(InvalidState) on an empty handle. Any other thread.
+  OperationStatus wait(std::chrono::nanoseconds timeout = std::chrono::nanoseconds::max()) const;
 
   /// Registers a callback run once, on the loop thread, when the operation ends; if it has
   /// ended already, the callback is queued to the loop at once (or, when the connector is

@@ -96,8 +96,8 @@ enum class SideChannelEvent { disconnected, reconnected, closed, error };
 /// variable named beside it (unless this struct's use_environment is false). With no server at all,
 /// the connector has no side channel: explicit metadata still works, subjects do not.
 struct NatsOptions {
-  /// Server URLs, e.g. "nats://10.0.0.5:4222"; several for a cluster. FERRY_NATS_URL
-  /// (comma-separated).
+  /// Server URLs, e.g. "nats://10.0.0.5:4222"; several for a cluster, tried in order. An
+  /// entry may itself be a comma-separated list, as FERRY_NATS_URL is.
   std::vector<std::string> servers;
   std::string user;             ///< FERRY_NATS_USER
   std::string password;         ///< FERRY_NATS_PASSWORD
