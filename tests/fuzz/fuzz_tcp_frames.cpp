@@ -384,7 +384,8 @@ class FrameReader {
     Frame f;
     f.h = decode(reinterpret_cast<const std::uint8_t*>(buf_.data()));
     if (f.h.magic != kMagic || f.h.version != kVersion || f.h.type < HELLO ||
-        (f.h.type > CLAIMED && f.h.type != ATTACHED) || f.h.msg_len > kMaxMessage) {
+        (f.h.type > CLAIMED && f.h.type != ATTACHED && f.h.type != READ_RANGES) ||
+        f.h.msg_len > kMaxMessage) {
       bad = "malformed header: magic " + std::to_string(f.h.magic) + " version " +
             std::to_string(f.h.version) + " type " + std::to_string(f.h.type) + " msg_len " +
             std::to_string(f.h.msg_len);
@@ -1120,9 +1121,9 @@ struct ClientSide {
     return 0;
   }
 
-  // Every frame from the client: HELLO first, then READ or WRITE (as the operation's kind)
-  // within the metadata's ranges with its id and token, WRITE bytes that are its own memory's,
-  // and DONE.
+  // Every frame from the client: HELLO first, then READ (or READ_RANGES) or WRITE (as the
+  // operation's kind) within the metadata's ranges with its id and token, WRITE bytes that
+  // are its own memory's, and DONE.
   void check(const Frame& f) {
     if (!problem.empty()) return;
     const std::uint8_t want = writing ? WRITE : READ;
@@ -1137,12 +1138,36 @@ struct ClientSide {
     // A connection notice (STATUS with req_id 0) before the client closes the connection on
     // a protocol error: the connection code of both roles sends it.
     if (f.h.type == STATUS && f.h.req_id == 0) return;
-    if (f.h.type != want && f.h.type != DONE) {
+    if (f.h.type != want && f.h.type != DONE && (writing || f.h.type != READ_RANGES)) {
       problem = "the client sent a frame of type " + std::to_string(f.h.type);
       return;
     }
     if (f.h.op_id != op_id || f.h.token != token) {
       problem = "the client's request carries another operation's id or token";
+      return;
+    }
+    if (f.h.type == READ_RANGES) {
+      // Its ranges, each answered on its own (a DATA naming its address): noted as READs of
+      // the same request id. At least two, all within the metadata, a chunk at most in all.
+      if (f.payload.size() < 32 || f.payload.size() % 16 != 0 ||
+          f.payload.size() > kMaxReadRanges * 16) {
+        problem = "the client sent READ_RANGES of " + std::to_string(f.payload.size()) + " bytes";
+        return;
+      }
+      std::uint64_t total = 0;
+      for (std::size_t at = 0; at < f.payload.size(); at += 16) {
+        const auto* b = reinterpret_cast<const std::uint8_t*>(f.payload.data() + at);
+        const auto addr = get_le<std::uint64_t>(b);
+        const auto len = get_le<std::uint64_t>(b + 8);
+        total += len;
+        if (len == 0 || total > kChunk || !stream_offset(addr, len)) {
+          problem = "the client's READ_RANGES names [" + std::to_string(addr) + ", +" +
+                    std::to_string(len) + "), empty, outside the metadata's descriptors or past "
+                    "a chunk in all";
+          return;
+        }
+        requests.push_back({f.h.req_id, addr, len, READ});
+      }
       return;
     }
     if (f.h.type == DONE) {  // answered by STATUS like the requests
