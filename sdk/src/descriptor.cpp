@@ -5,8 +5,10 @@ namespace ferry {
 
 Descriptor::Descriptor(void* ptr, std::size_t size, Device device)
     : ptr_(ptr), size_(size), device_(device) {
+  if (size == 0)
+    throw Error(ErrorCode::InvalidArgument,
+                "descriptor is empty (0 bytes): ferry moves 1 byte or more per descriptor");
   if (ptr == nullptr) throw Error(ErrorCode::InvalidArgument, "descriptor pointer is null");
-  if (size == 0) throw Error(ErrorCode::InvalidArgument, "descriptor size is zero");
 }
 
 }  // namespace ferry

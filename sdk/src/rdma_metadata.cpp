@@ -430,6 +430,13 @@ RdmaMetadata detail::metadata_from_json_general(std::string_view text) {
   if (!doc.is_object()) invalid("", "must be a JSON object");
 
   RdmaMetadata m;
+  // dynamo.nixl_connect's RdmaMetadata has no version but carries the NIXL agent's own
+  // metadata: say what it is rather than that a field is missing.
+  if (!doc.contains("version") && doc.contains("nixl_metadata"))
+    invalid("",
+            "this is dynamo.nixl_connect's RdmaMetadata (it carries nixl_metadata), not "
+            "ferry's: ferry pairs with ferry peers only; make the peer's metadata with "
+            "ferry's create_readable / create_writable");
   // The version first: a document of another version may differ in everything else.
   std::int64_t version = get_integer(doc, "", "version");
   if (version != RdmaMetadata::kVersion)

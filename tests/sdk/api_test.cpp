@@ -3,6 +3,7 @@
 
 #include <ferry/ferry.hpp>
 
+#include <array>
 #include <functional>
 #include <span>
 #include <thread>
@@ -35,11 +36,38 @@ TEST(Device, RejectsBadStrings) {
 TEST(Descriptor, RefusesNullPointerAndZeroSize) {
   char byte = 0;
   expect_error([] { Descriptor d(nullptr, 16); }, ErrorCode::InvalidArgument, "null");
-  expect_error([&] { Descriptor d(&byte, 0); }, ErrorCode::InvalidArgument, "zero");
+  expect_error([&] { Descriptor d(&byte, 0); }, ErrorCode::InvalidArgument, "empty (0 bytes)");
+  // An empty vector's data() may be null: the message says what is wrong, that it is empty.
+  std::vector<char> none;
+  expect_error([&] { Descriptor d(none.data(), none.size()); }, ErrorCode::InvalidArgument,
+               "empty (0 bytes)");
+  expect_error([&] { Descriptor d(none); }, ErrorCode::InvalidArgument, "empty (0 bytes)");
   std::vector<int> ints(8);
   Descriptor d{std::span<int>(ints)};
   EXPECT_EQ(d.size(), 32u);
   EXPECT_EQ(d.ptr(), ints.data());
+}
+
+TEST(Descriptor, TakesTypedContiguousRangesAsTheirBytes) {
+  std::vector<float> floats(10);
+  Descriptor f(floats);
+  EXPECT_EQ(f.ptr(), floats.data());
+  EXPECT_EQ(f.size(), 40u);
+  EXPECT_FALSE(f.is_read_only());
+  const std::vector<double> fixed(3);
+  Descriptor c(fixed);
+  EXPECT_EQ(c.size(), 24u);
+  EXPECT_TRUE(c.is_read_only());  // const elements: never written by ferry
+  std::array<std::uint16_t, 5> shorts{};
+  EXPECT_EQ(Descriptor(shorts).size(), 10u);
+  std::string text = "kv";
+  EXPECT_EQ(Descriptor(text).ptr(), text.data());
+  struct Pair {
+    int a;
+    float b;
+  };
+  std::vector<Pair> pairs(2);
+  EXPECT_EQ(Descriptor(pairs).size(), 2 * sizeof(Pair));
 }
 
 TEST(Error, WhatNamesCodeFieldAndMessage) {

@@ -211,6 +211,22 @@ TEST(RdmaMetadata, RejectsUnknownVersion) {
   expect_invalid([](json& d) { d["version"] = "1"; }, "version", "must be an integer");
 }
 
+// What dynamo.nixl_connect's RdmaMetadata serializes to (its pydantic model): no version, the
+// NIXL agent's metadata as hex.
+TEST(RdmaMetadata, NixlConnectsMetadataIsNamedAsSuch) {
+  const std::string nixl =
+      R"({"descriptors": [{"device": "cuda:0", "ptr": 140000000, "size": 4096}],
+    "nixl_metadata": "0a1b2c", "notification_key": "abc", "operation_kind": 1})";
+  try {
+    (void)RdmaMetadata::from_json(nixl);
+    ADD_FAILURE() << "nixl_connect's metadata was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidMetadata);
+    EXPECT_NE(e.message().find("dynamo.nixl_connect's RdmaMetadata"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(RdmaMetadata, RejectsMissingFields) {
   for (const char* key : {"version", "operation_kind", "notification_key", "owner", "endpoints",
                           "descriptors", "token"}) {

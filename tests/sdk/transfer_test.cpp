@@ -55,6 +55,8 @@ TEST(Wait, ReturnsTheFinalStatusWithoutThrowing) {
   EXPECT_EQ(late.wait(kWait), OperationStatus::errored);
   ASSERT_TRUE(late.error().has_value());
   EXPECT_EQ(late.error()->code(), ErrorCode::AccessDenied);
+  EXPECT_NE(late.error()->message().find("serves one peer, once"), std::string::npos)
+      << late.error()->message();
   EXPECT_THROW((void)late.wait_for_completion(kWait), Error);
   auto cancelled = owner.create_writable({Descriptor(dst.data(), dst.size())});
   cancelled.cancel();
