@@ -256,9 +256,12 @@ bool VerbsClient::post_some(Conn& conn, VerbsTransfer& t) {
     const std::uint64_t remote = segs[t.seg].remote_addr + t.off;
     const Window* win = window_of(t, remote);
     if (win == nullptr) {
-      transfers_.finish(t, Error(ErrorCode::ProtocolError,
-                                 "peer '" + t.spec.peer_name +
-                                     "' gave no key for a range it accepted in the claim"));
+      // failed(), not finish(), here and below: its DONE, a signalled SEND behind the work
+      // requests this transfer posted (unsignalled, most of them), is what retires them, since
+      // an unsignalled one that succeeds never completes on its own (settle() waits for them).
+      failed(t, Error(ErrorCode::ProtocolError,
+                      "peer '" + t.spec.peer_name +
+                          "' gave no key for a range it accepted in the claim"));
       return false;
     }
     const std::uint64_t limit = std::min(win->addr + win->len - remote, dev.max_msg);
@@ -277,8 +280,7 @@ bool VerbsClient::post_some(Conn& conn, VerbsTransfer& t) {
       const auto* set = static_cast<const MrSet*>(t.regs[t.seg]->handle.get());
       ibv_mr* mr = set == nullptr ? nullptr : set->find(dev.ctx, local, room);
       if (mr == nullptr) {
-        transfers_.finish(t,
-                          Error(ErrorCode::Internal, "local memory not registered on " + dev.name));
+        failed(t, Error(ErrorCode::Internal, "local memory not registered on " + dev.name));
         return false;
       }
       take = std::min({take, room, std::uint64_t{1} << 31});
@@ -470,13 +472,21 @@ void VerbsClient::settle(VerbsTransfer& t) {
   // cancel()'s promise: no work request touching the local memory remains when it returns.
   // Those under way complete in the time of one queue's worth of data; a peer that does not
   // answer within peer_timeout has its queue pair flushed (every transfer on it fails).
+  // On a failed connection (its queue pair in error, not yet destroyed) a work request that
+  // completed unsignalled before the error will never say so: a marker behind it does.
   if (t.outstanding > 0) {
-    const auto deadline = std::chrono::steady_clock::now() + t_.ctx_.peer_timeout;
-    if (!wait_quiet(t, deadline))
-      if (Conn* conn = t_.conn_of(t.conn)) {
-        t_.fail_conn(*conn, ErrorCode::Cancelled, "flushed by a cancel");
-        wait_quiet(t, std::chrono::steady_clock::now() + t_.ctx_.peer_timeout);
-      }
+    Conn* conn = t_.conn_of(t.conn);
+    bool flushed = conn != nullptr && conn->state == Conn::State::failed;
+    if (!flushed && !wait_quiet(t, std::chrono::steady_clock::now() + t_.ctx_.peer_timeout)) {
+      conn = t_.conn_of(t.conn);
+      if (conn != nullptr) t_.fail_conn(*conn, ErrorCode::Cancelled, "flushed by a cancel");
+      flushed = true;
+    }
+    if (flushed) {
+      conn = t_.conn_of(t.conn);
+      if (conn != nullptr) conn->post_drain_marker();
+      wait_quiet(t, std::chrono::steady_clock::now() + t_.ctx_.peer_timeout);
+    }
   }
   // No work request reaches a staging chunk now: its copies stop (waiting for one under way,
   // so that none touches the device memory after this) and the chunks go back.

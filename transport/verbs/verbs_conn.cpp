@@ -173,6 +173,7 @@ bool Conn::post_data(std::uint64_t transfer, Access access, std::uint64_t remote
     since_signal_ = 0;
     ++counters_.signaled_wrs;
   }
+  p.signaled = signaled;
   ibv_send_wr* bad = nullptr;
   if (api_.post_send(qp, &wr, &bad) != 0) {
     owner_.conn_failed(*this, ErrorCode::Internal,
@@ -182,6 +183,23 @@ bool Conn::post_data(std::uint64_t transfer, Access access, std::uint64_t remote
   posted.push_back(p);
   ++counters_.data_wrs;
   watch();
+  return true;
+}
+
+bool Conn::post_drain_marker() {
+  if (qp == nullptr || posted.empty() || posted.back().signaled) return false;
+  // A zero-length RDMA WRITE: a queue pair in error executes nothing, it flushes the work
+  // request (IBV_WC_WR_FLUSH_ERR), which reports even where unsignalled ones did not.
+  Posted p;
+  p.seq = next_seq_;
+  ibv_send_wr wr{};
+  wr.wr_id = p.seq;
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  if (api_.post_send(qp, &wr, &bad) != 0) return false;
+  ++next_seq_;
+  posted.push_back(p);
   return true;
 }
 

@@ -41,6 +41,7 @@ struct Posted {
   std::uint64_t transfer = 0;  ///< the active transfer it moves data for (0: control)
   std::int32_t slot = -1;      ///< the control buffer it sends from (-1: none)
   std::uint64_t chunk = 0;     ///< the staging unit it moves (0: none)
+  bool signaled = true;        ///< it gives a completion even when it succeeds
 };
 
 /// A control item waiting for room in the send queue: message bytes, or a window to bind.
@@ -94,6 +95,12 @@ class Conn final : private wire::FrameReader::Handler {
                  ibv_sge* sges, std::size_t n, bool last, std::uint64_t chunk);
   /// A receive completed: its bytes go through the frame reader.
   void received(const ibv_wc& wc);
+  /// The queue pair is in error (the connection failed): unless the newest work request is
+  /// signalled, posts a signalled marker behind it, flushed at once, whose completion retires
+  /// every work request before it; one that completed unsignalled before the error leaves no
+  /// completion of its own (the kernel's ib_drain_sq does the same). False when none was
+  /// needed or the queue pair refused it.
+  bool post_drain_marker();
   /// A send completion retires every work request up to it (they complete in order); returns
   /// them, oldest first.
   std::vector<Posted> retire(const ibv_wc& wc);

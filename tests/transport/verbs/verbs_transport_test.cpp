@@ -6,9 +6,12 @@
 // and late events harmless, no polling when idle).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -22,6 +25,7 @@
 #include "tests/transport/verbs/rig.hpp"
 #include "transport/kit/exposure_table.hpp"
 #include "transport/verbs/verbs_transport.hpp"
+#include "transport/wire/frame.hpp"
 
 namespace ferry::transport::verbs {
 namespace {
@@ -46,6 +50,8 @@ struct Spy {
   std::vector<Access> accesses;  ///< every RDMA READ/WRITE posted
   /// Called on each RDMA READ/WRITE posted, before the simulation sees it.
   std::function<void(const Access&)> on_access;
+  /// May change each work request posted (of every kind), before the simulation sees it.
+  std::function<void(ibv_send_wr&)> rewrite;
 };
 
 template <int N>
@@ -70,6 +76,12 @@ struct Spied {
   }
   static int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
     for (ibv_send_wr* w = wr; w != nullptr; w = w->next) {
+      std::function<void(ibv_send_wr&)> change;
+      {
+        std::lock_guard lock(spy().mu);
+        change = spy().rewrite;
+      }
+      if (change) change(*w);
       if (w->opcode != IBV_WR_RDMA_READ && w->opcode != IBV_WR_RDMA_WRITE) continue;
       std::uint32_t len = 0;
       for (int i = 0; i < w->num_sge; ++i) len += w->sg_list[i].length;
@@ -83,6 +95,11 @@ struct Spied {
       if (hook) hook(a);
     }
     return sim::api().post_send(qp, wr, bad);
+  }
+  /// Sets (or, with null, clears) the rewrite, under the lock the loops read it with.
+  static void set_rewrite(std::function<void(ibv_send_wr&)> change) {
+    std::lock_guard lock(spy().mu);
+    spy().rewrite = std::move(change);
   }
   static const VerbsApi* api() {
     static VerbsApi table = [] {
@@ -260,6 +277,224 @@ TEST_F(Fabric, APortDownErrorsExactlyTheTransfersThroughItAndTheNextOneReconnect
     xb.reset();
     xa2.reset();
   });
+}
+
+// ---------------------------------------------------------------------------------------
+// A transfer that fails after it posted work requests
+//
+// Its work requests are mostly unsignalled: one that completes without error says nothing, so
+// destroying the failed transfer waits until something completes behind them. Each test below
+// destroys such a transfer within a bound far below peer_timeout (the wait it fell back on:
+// twice, then the connection failed) and moves the next transfer to the same owner.
+
+constexpr auto kLongTimeout = 5s;
+constexpr auto kPromptly = 1s;
+
+void long_timeout(Context& c) { c.peer_timeout = kLongTimeout; }
+
+/// How long destroying `t` on `side`'s loop took.
+Clock::duration destroy(Side& side, std::unique_ptr<Transfer>& t) {
+  return side.call([&] {
+    const auto begin = Clock::now();
+    t.reset();
+    return Clock::now() - begin;
+  });
+}
+
+long long ms(Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(d).count();
+}
+
+/// An owner's table rewrite: its first CLAIMED gives the last window half its length, so that
+/// the claimant has no key for the rest of the range it claimed. Sets `lied` once done.
+std::function<void(ibv_send_wr&)> halve_the_last_key(std::atomic<bool>& lied) {
+  return [&lied](ibv_send_wr& w) {
+    if (lied || w.opcode != IBV_WR_SEND || w.num_sge < 1 || w.sg_list[0].length < wire::kHeaderSize)
+      return;
+    auto* bytes = reinterpret_cast<std::byte*>(w.sg_list[0].addr);
+    const wire::FrameHeader h = wire::decode(bytes);
+    if (h.magic != wire::kMagic || h.type != wire::FrameType::claimed || h.len < 24 ||
+        wire::kHeaderSize + h.msg_len + h.len > w.sg_list[0].length)
+      return;
+    std::byte* last = bytes + wire::kHeaderSize + h.msg_len + h.len - 24;
+    std::uint64_t len = 0;
+    std::memcpy(&len, last + 8, 8);
+    len /= 2;
+    std::memcpy(last + 8, &len, 8);
+    lied = true;
+  };
+}
+
+TEST_F(Fabric, ATransferWhoseWorkRequestIsRefusedMidwayIsReleasedPromptly) {
+  // The third of 16 READs goes under a key the owner never gave: the fabric refuses it
+  // (IBV_WC_REM_ACCESS_ERR, both queue pairs in error) after two unsignalled ones completed.
+  auto small_wrs = [](VerbsOptions& o) { o.max_wr_bytes = 64 << 10; };
+  Side owner("owner", &sim::api());
+  Side active("active", Spied<4>::api(), "127.0.0.1", small_wrs, long_timeout);
+  constexpr std::size_t kSize = 1u << 20;
+  std::vector<std::byte> src(kSize), dst(kSize);
+  test::fill_pattern(src.data(), kSize, 6);
+  std::atomic<int> data_wrs{0};
+  Spied<4>::set_rewrite([&](ibv_send_wr& w) {
+    if (w.opcode == IBV_WR_RDMA_READ && ++data_wrs == 3) w.wr.rdma.rkey ^= 0x00ffff00u;
+  });
+  Log ol, al;
+  Offered s = expose(owner, Access::read, src.data(), kSize, ol);
+  auto t = start(active, s, dst.data(), kSize, al);
+  auto end = al.wait();
+  Spied<4>::set_rewrite(nullptr);
+  ASSERT_TRUE(end.has_value()) << "the transfer did not end";
+  ASSERT_TRUE(end->has_value()) << "a READ under a bad key completed";
+  EXPECT_EQ((*end)->code(), ErrorCode::AccessDenied) << (*end)->what();
+  EXPECT_NE((*end)->message().find("remote access error"), std::string::npos) << (*end)->what();
+
+  const auto took = destroy(active, t);
+  EXPECT_LT(took, kPromptly) << "destroying the failed transfer blocked its loop " << ms(took)
+                             << " ms";
+  auto owner_end = ol.wait();
+  ASSERT_TRUE(owner_end.has_value()) << "the owner's operation did not end";
+  EXPECT_TRUE(owner_end->has_value()) << "the owner heard of a success";
+  // Its queue pair is in error: the next transfer connects again and moves every byte.
+  Log ol2, al2;
+  std::fill(dst.begin(), dst.end(), std::byte{0});
+  Offered s2 = expose(owner, Access::read, src.data(), kSize, ol2);
+  auto t2 = start(active, s2, dst.data(), kSize, al2);
+  expect_ok(al2, "the next read");
+  expect_ok(ol2, "the owner of the next read");
+  EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 6), -1);
+  active.call([&] { t2.reset(); });
+}
+
+TEST_F(Fabric, ATransferThatFailsBetweenItsWorkRequestsIsReleasedPromptlyOnALiveConnection) {
+  // The owner's CLAIMED gives a key for the first half of the range alone: the active side
+  // posts the READs of that half (unsignalled), then finds no key for the rest and fails the
+  // transfer (ProtocolError) with no work request in error.
+  auto small_wrs = [](VerbsOptions& o) { o.max_wr_bytes = 64 << 10; };
+  Side owner("owner", Spied<5>::api());
+  Side active("active", &sim::api(), "127.0.0.1", small_wrs, long_timeout);
+  constexpr std::size_t kSize = 1u << 20;
+  std::vector<std::byte> src(kSize), dst(kSize);
+  test::fill_pattern(src.data(), kSize, 7);
+  std::atomic<bool> lied{false};
+  Spied<5>::set_rewrite(halve_the_last_key(lied));
+  Log ol, al;
+  Offered s = expose(owner, Access::read, src.data(), kSize, ol);
+  auto t = start(active, s, dst.data(), kSize, al);
+  auto end = al.wait();
+  Spied<5>::set_rewrite(nullptr);
+  ASSERT_TRUE(lied) << "the owner's answer was not rewritten";
+  ASSERT_TRUE(end.has_value()) << "the transfer did not end";
+  ASSERT_TRUE(end->has_value()) << "the transfer completed without keys for half its range";
+  EXPECT_EQ((*end)->code(), ErrorCode::ProtocolError) << (*end)->what();
+  EXPECT_NE((*end)->message().find("gave no key"), std::string::npos) << (*end)->what();
+  EXPECT_GT(active.counters().data_wrs, 0u) << "it failed before posting anything";
+  // The owner hears that the operation failed (DONE with the error), well before any timeout.
+  auto owner_end = ol.wait(kPromptly);
+  EXPECT_TRUE(owner_end.has_value()) << "the owner did not hear that the transfer failed";
+  if (owner_end.has_value()) {
+    ASSERT_TRUE(owner_end->has_value()) << "the owner heard of a success";
+    EXPECT_EQ((*owner_end)->code(), ErrorCode::ProtocolError) << (*owner_end)->what();
+  }
+
+  const auto took = destroy(active, t);
+  EXPECT_LT(took, kPromptly) << "destroying the failed transfer blocked its loop " << ms(took)
+                             << " ms";
+  // No work request failed: the connection stays up and carries the next transfer.
+  const auto before = active.counters().connections;
+  Log ol2, al2;
+  std::fill(dst.begin(), dst.end(), std::byte{0});
+  Offered s2 = expose(owner, Access::read, src.data(), kSize, ol2);
+  auto t2 = start(active, s2, dst.data(), kSize, al2);
+  expect_ok(al2, "the next read");
+  expect_ok(ol2, "the owner of the next read");
+  EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 7), -1);
+  EXPECT_EQ(active.counters().connections, before) << "the connection did not stay up";
+  active.call([&] { t2.reset(); });
+}
+
+/// Destroys the transfer's handle in its end callback (on the loop, before what the failure
+/// deferred has run), timing that, then records the end in `log`.
+class DestroyOnEnd final : public TransferObserver {
+ public:
+  void on_transfer_complete() override {
+    release();
+    log.on_transfer_complete();
+  }
+  void on_transfer_failed(const Error& e) override {
+    release();
+    log.on_transfer_failed(e);
+  }
+
+  std::unique_ptr<Transfer> handle;
+  Clock::duration took{};  ///< read after log.wait()
+  Log log;
+
+ private:
+  void release() {
+    const auto begin = Clock::now();
+    handle.reset();
+    took = Clock::now() - begin;
+  }
+};
+
+TEST_F(Fabric, ATransferDestroyedAsItsConnectionFailsIsReleasedPromptly) {
+  // As above, the owner gives no key for half the range; then the active side's queue pair
+  // refuses the DONE that would have retired the READs already posted, and the connection
+  // fails. Its READs completed unsignalled before that: no completion, not even a flushed
+  // one, will come for them. The handle is destroyed in its failure callback, before the
+  // connection is destroyed.
+  auto small_wrs = [](VerbsOptions& o) { o.max_wr_bytes = 64 << 10; };
+  Side owner("owner", Spied<5>::api());
+  Side active("active", Spied<6>::api(), "127.0.0.1", small_wrs, long_timeout);
+  constexpr std::size_t kSize = 1u << 20;
+  std::vector<std::byte> src(kSize), dst(kSize);
+  test::fill_pattern(src.data(), kSize, 8);
+  std::atomic<bool> lied{false}, refused{false};
+  Spied<5>::set_rewrite(halve_the_last_key(lied));
+  Spied<6>::set_rewrite([&](ibv_send_wr& w) {
+    if (refused || w.opcode != IBV_WR_SEND || w.num_sge < 1 ||
+        w.sg_list[0].length < wire::kHeaderSize)
+      return;
+    const wire::FrameHeader h = wire::decode(reinterpret_cast<std::byte*>(w.sg_list[0].addr));
+    if (h.magic != wire::kMagic || h.type != wire::FrameType::done) return;
+    w.num_sge = 1 << 20;  // more than max_send_sge: post_send refuses it (EINVAL)
+    refused = true;
+  });
+  Log ol;
+  Offered s = expose(owner, Access::read, src.data(), kSize, ol);
+  DestroyOnEnd x;
+  active.call([&] {
+    TransferSpec spec;
+    spec.remote_id = s.exposure.id;
+    spec.token = s.exposure.token;
+    spec.access = Access::read;
+    spec.segments = {Segment{reinterpret_cast<std::uint64_t>(src.data()), dst.data(), kSize}};
+    spec.endpoint = s.endpoint;
+    spec.peer_name = "owner";
+    x.handle = active.transport->start(spec, x);
+  });
+  auto end = x.log.wait();
+  Spied<5>::set_rewrite(nullptr);
+  Spied<6>::set_rewrite(nullptr);
+  ASSERT_TRUE(lied) << "the owner's answer was not rewritten";
+  ASSERT_TRUE(refused) << "no DONE was posted";
+  ASSERT_TRUE(end.has_value()) << "the transfer did not end";
+  ASSERT_TRUE(end->has_value()) << "the transfer completed without keys for half its range";
+  EXPECT_EQ((*end)->code(), ErrorCode::ProtocolError) << (*end)->what();
+  EXPECT_LT(x.took, kPromptly) << "destroying the failed transfer blocked its loop " << ms(x.took)
+                               << " ms";
+  auto owner_end = ol.wait();
+  ASSERT_TRUE(owner_end.has_value()) << "the owner's operation did not end";
+  EXPECT_TRUE(owner_end->has_value()) << "the owner heard of a success";
+  // The next transfer connects again and moves every byte.
+  Log ol2, al2;
+  std::fill(dst.begin(), dst.end(), std::byte{0});
+  Offered s2 = expose(owner, Access::read, src.data(), kSize, ol2);
+  auto t2 = start(active, s2, dst.data(), kSize, al2);
+  expect_ok(al2, "the next read");
+  expect_ok(ol2, "the owner of the next read");
+  EXPECT_EQ(test::first_mismatch(dst.data(), kSize, 8), -1);
+  active.call([&] { t2.reset(); });
 }
 
 // ---------------------------------------------------------------------------------------
