@@ -67,11 +67,7 @@ ExposureTable::Verdict ExposureTable::check(std::uint64_t id, const Token& token
   Entry* entry = find(id);
   if (entry == nullptr || !tokens_equal(entry->exposure.token, token)) {
     v.code = ErrorCode::AccessDenied;
-    // The same words for an unknown id, a wrong token and an operation that is over (no
-    // oracle), saying the likely reason for the last.
-    v.message =
-        "no live operation matches this id and token (a passive operation serves one peer, "
-        "once: it may be over already, e.g. read by another peer, or never was)";
+    v.message = kNoLiveOperation;
     return v;
   }
   if (!allows(entry->exposure.access, access)) {

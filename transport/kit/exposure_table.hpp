@@ -18,6 +18,13 @@ bool range_inside(const Region& region, std::uint64_t addr, std::uint64_t len) n
 /// live operation, token, kind, claim and range. Loop thread only.
 class ExposureTable {
  public:
+  /// The refusal of a request whose id and token match no live operation: the same words for
+  /// an unknown id, a wrong token and an operation that is over (no oracle), with the likely
+  /// reason for the last.
+  static constexpr const char* kNoLiveOperation =
+      "no live operation matches this id and token (a passive operation serves one peer, once: "
+      "it may be over already, e.g. read by another peer, or never was)";
+
   struct Entry {
     Exposure exposure;
     ExposureObserver* observer = nullptr;

@@ -245,7 +245,7 @@ TEST_F(ExposureTableTest, UnknownIdAndWrongTokenGetTheSameAnswer) {
   for (const auto* v : {&bad_token, &bad_id, &other_token}) {
     EXPECT_FALSE(v->ok());
     EXPECT_EQ(v->code, ErrorCode::AccessDenied);
-    EXPECT_EQ(v->message, "no live operation matches this id and token");
+    EXPECT_EQ(v->message, transport::kit::ExposureTable::kNoLiveOperation);
     EXPECT_EQ(v->ptr, nullptr);
   }
   EXPECT_EQ(bad_token.message, bad_id.message);
@@ -415,7 +415,7 @@ TEST_F(ExposureTableTest, RemovedExposureIsUnknown) {
   auto v = table_.check(readable_.id, readable_.token, Access::read, base(0), 1, kConnA);
   EXPECT_FALSE(v.ok());
   EXPECT_EQ(v.code, ErrorCode::AccessDenied);
-  EXPECT_EQ(v.message, "no live operation matches this id and token");
+  EXPECT_EQ(v.message, transport::kit::ExposureTable::kNoLiveOperation);
   EXPECT_EQ(table_.size(), 1u);
 }
 

@@ -117,7 +117,7 @@ TEST_F(ExposuresTest, FinishKillsTheTokenAtOnceAndTellsTheObserverLater) {
   exposures_.finish(1, Error(ErrorCode::Cancelled, "gave up"));
   auto v = exposures_.check(1, e.token, Access::read, base(), 16, 7);
   EXPECT_FALSE(v.ok());
-  EXPECT_EQ(v.message, "no live operation matches this id and token");
+  EXPECT_EQ(v.message, transport::kit::ExposureTable::kNoLiveOperation);
   EXPECT_EQ(exposures_.finish(1, std::nullopt), 0u);  // once
   queue_.run();
   EXPECT_EQ(r.calls, (std::vector<std::string>{"claimed", "finished:peer:Cancelled"}));
