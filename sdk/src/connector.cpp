@@ -73,46 +73,66 @@ Connector::Connector(ConnectorOptions options)
   core_->start();
 }
 
-Connector::~Connector() { core_->shutdown(); }
+Connector::~Connector() {
+  if (core_) core_->shutdown();
+}
 
-const PeerIdentity& Connector::identity() const noexcept { return core_->identity; }
+Connector::Connector(Connector&& other) noexcept : core_(std::move(other.core_)) {}
 
-std::vector<Endpoint> Connector::endpoints() const { return core_->endpoints; }
+Connector& Connector::operator=(Connector&& other) noexcept {
+  if (this != &other) {
+    if (core_) core_->shutdown();
+    core_ = std::move(other.core_);
+  }
+  return *this;
+}
 
-bool Connector::has_side_channel() const noexcept { return core_->has_nats; }
+detail::Core& Connector::core() const {
+  if (!core_) throw Error(ErrorCode::InvalidState, "this connector was moved from");
+  return *core_;
+}
 
-std::vector<MethodInfo> Connector::methods() const { return core_->methods; }
+const PeerIdentity& Connector::identity() const noexcept {
+  static const PeerIdentity none{};
+  return core_ ? core_->identity : none;
+}
 
-ConnectorStats Connector::stats() const { return core_->stats.snapshot(); }
+std::vector<Endpoint> Connector::endpoints() const { return core().endpoints; }
+
+bool Connector::has_side_channel() const noexcept { return core_ && core_->has_nats; }
+
+std::vector<MethodInfo> Connector::methods() const { return core().methods; }
+
+ConnectorStats Connector::stats() const { return core().stats.snapshot(); }
 
 ReadableOperation Connector::create_readable(std::vector<Descriptor> local,
                                              OperationOptions options) {
-  return ReadableOperation(create(*core_, OperationKind::read, std::move(local), options));
+  return ReadableOperation(create(core(), OperationKind::read, std::move(local), options));
 }
 
 WritableOperation Connector::create_writable(std::vector<Descriptor> local,
                                              OperationOptions options) {
-  return WritableOperation(create(*core_, OperationKind::write, std::move(local), options));
+  return WritableOperation(create(core(), OperationKind::write, std::move(local), options));
 }
 
 ReadOperation Connector::begin_read(const RdmaMetadata& remote, std::vector<Descriptor> local,
                                     OperationOptions options) {
-  return ReadOperation(begin(*core_, OperationKind::read, remote, std::move(local), options));
+  return ReadOperation(begin(core(), OperationKind::read, remote, std::move(local), options));
 }
 
 WriteOperation Connector::begin_write(std::vector<Descriptor> local, const RdmaMetadata& remote,
                                       OperationOptions options) {
-  return WriteOperation(begin(*core_, OperationKind::write, remote, std::move(local), options));
+  return WriteOperation(begin(core(), OperationKind::write, remote, std::move(local), options));
 }
 
 ReadOperation Connector::begin_read(const Subject& subject, std::vector<Descriptor> local,
                                     OperationOptions options) {
-  return ReadOperation(begin(*core_, OperationKind::read, subject, std::move(local), options));
+  return ReadOperation(begin(core(), OperationKind::read, subject, std::move(local), options));
 }
 
 WriteOperation Connector::begin_write(std::vector<Descriptor> local, const Subject& subject,
                                       OperationOptions options) {
-  return WriteOperation(begin(*core_, OperationKind::write, subject, std::move(local), options));
+  return WriteOperation(begin(core(), OperationKind::write, subject, std::move(local), options));
 }
 
 }  // namespace ferry

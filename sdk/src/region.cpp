@@ -303,7 +303,7 @@ WriteOperation Attachment::write_blocks(std::vector<Descriptor> local,
 // Connector
 
 Region Connector::create_region(std::vector<Descriptor> local, RegionOptions options) {
-  detail::Core& core = *core_;
+  detail::Core& core = this->core();
   detail::check_local(local);
   if (options.access != RegionAccess::read && options.access != RegionAccess::write &&
       options.access != RegionAccess::read_write)
@@ -362,7 +362,7 @@ void check_access(const std::optional<RegionAccess>& a) {
 }  // namespace
 
 Attachment Connector::attach(const RegionMetadata& remote, AttachOptions options) {
-  detail::Core& core = *core_;
+  detail::Core& core = this->core();
   remote.validate();
   check_access(options.access);
   if (options.access && !detail::region_allows(remote.access, *options.access))
@@ -386,7 +386,7 @@ Attachment Connector::attach(const RegionMetadata& remote, AttachOptions options
 }
 
 Attachment Connector::attach(const Subject& subject, AttachOptions options) {
-  detail::Core& core = *core_;
+  detail::Core& core = this->core();
   detail::check_subject(subject.name, core.nats_prefix);
   if (!core.has_nats)
     throw Error(ErrorCode::InvalidState,

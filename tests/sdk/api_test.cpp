@@ -287,6 +287,34 @@ TEST_F(PairingTest, ByteVectorsPairAndConstMemoryIsNeverWritten) {
       ErrorCode::InvalidArgument, "read-only");
 }
 
+// A connector is movable: a class member without std::optional, a vector of them. Its
+// operations go with it; a moved-from one refuses calls instead of crashing.
+TEST(Connector, MovesWithItsOperationsAndTheMovedFromOneRefusesCalls) {
+  struct Worker {
+    Connector connector;
+  };
+  Worker owner{Connector(test::named("owner"))};
+  Connector peer(test::named("peer"));
+  std::vector<std::byte> src(4096, std::byte{7});
+  std::vector<std::byte> dst(4096);
+  auto readable = owner.connector.create_readable(src);
+  Connector moved(std::move(owner.connector));
+  auto read = peer.begin_read(readable.metadata(), dst);
+  EXPECT_EQ(read.wait(std::chrono::seconds(10)), OperationStatus::complete);
+  EXPECT_EQ(dst, src);
+  EXPECT_FALSE(owner.connector.has_side_channel());
+  EXPECT_TRUE(owner.connector.identity().name.empty());
+  expect_error([&] { (void)owner.connector.create_readable(src); }, ErrorCode::InvalidState,
+               "moved from");
+  // Assigning a new connector to the moved-from one, and moving into a live one, work.
+  owner.connector = Connector(test::named("again"));
+  EXPECT_EQ(owner.connector.identity().name, "again");
+  std::vector<Connector> many;
+  many.push_back(std::move(moved));
+  many.emplace_back(test::named("second"));
+  EXPECT_EQ(many[0].identity().name, "owner");
+}
+
 TEST(ConnectorOptions, WildcardBindWithAdvertisedAddressWorks) {
   ConnectorOptions o = test::tcp_only("wildcard");
   o.tcp.bind_address = "0.0.0.0";

@@ -70,6 +70,12 @@ class Connector {
   ~Connector();
   Connector(const Connector&) = delete;
   Connector& operator=(const Connector&) = delete;
+  /// Movable (a member of a class, a std::vector<Connector>): the connector, its loop and its
+  /// operations go with it. A moved-from connector holds nothing: its calls throw
+  /// Error(InvalidState), has_side_channel() is false and identity() empty. Assigning to a
+  /// connector first shuts down the one it held, as its destructor would.
+  Connector(Connector&& other) noexcept;
+  Connector& operator=(Connector&& other) noexcept;
 
   /// Exposes `local` for one peer to read. Throws InvalidArgument for an empty list,
   /// Unsupported for device memory this build cannot serve.
@@ -193,6 +199,9 @@ class Connector {
   static Descriptor bytes_descriptor(std::span<const std::byte> memory) {
     return Descriptor::read_only(memory.data(), memory.size());
   }
+
+  /// The connector's core; throws Error(InvalidState) when moved from.
+  detail::Core& core() const;
 
   std::shared_ptr<detail::Core> core_;
 };
