@@ -93,6 +93,13 @@ std::string ActiveOperation::deadline_text(std::chrono::milliseconds timeout) co
   return text;
 }
 
+std::string ActiveOperation::pairing_text(std::chrono::milliseconds timeout) const {
+  return "asked for the metadata at subject '" + (asking ? asking->subject : std::string()) +
+         "' for " + std::to_string(timeout.count()) +
+         " ms: nobody served it (ConnectorOptions::subject_timeout; give the operation a "
+         "deadline of its own to wait longer)";
+}
+
 void ActiveOperation::release(OperationStatus final_status, const Error& reason) {
   std::optional<transport::Token> claim;
   if (transfer_) {

@@ -55,6 +55,7 @@ class ActiveOperation final : public OperationState, public transport::TransferO
 
   void release(OperationStatus final_status, const Error& reason) override;
   std::string deadline_text(std::chrono::milliseconds timeout) const override;
+  std::string pairing_text(std::chrono::milliseconds timeout) const override;
 
   std::unique_ptr<transport::Transfer> transfer_;
   std::vector<std::shared_ptr<const transport::Registration>> registrations_;

@@ -130,6 +130,8 @@ Core::Core(ConnectorOptions opts)
     throw Error(ErrorCode::InvalidArgument, "peer_timeout must be positive");
   if (options.default_timeout.count() < 0)
     throw Error(ErrorCode::InvalidArgument, "default_timeout must not be negative");
+  if (options.subject_timeout.count() < 0)
+    throw Error(ErrorCode::InvalidArgument, "subject_timeout must not be negative");
 }
 
 void Core::start() {
@@ -327,6 +329,7 @@ std::shared_ptr<PassiveOperation> Core::create_passive(OperationKind kind,
   }
   op->set_status(OperationStatus::initialized);
   op->arm(timeout);
+  if (!subject.empty() && timeout.count() <= 0) op->arm_pairing(options.subject_timeout);
   return op;
 }
 
@@ -399,8 +402,15 @@ std::shared_ptr<ActiveOperation> Core::begin_by_subject(OperationKind kind,
       std::make_shared<ActiveOperation>(shared_from_this(), next_id(), kind, std::move(local));
   op->asking.emplace();
   op->asking->subject = subject;
+  const std::chrono::milliseconds pairing =
+      timeout.count() > 0 ? std::chrono::milliseconds(0) : options.subject_timeout;
   return launch(
-      std::move(op), [](ActiveOperation& o) { pairing::ask(o); }, timeout);
+      std::move(op),
+      [pairing](ActiveOperation& o) {
+        pairing::ask(o);
+        o.arm_pairing(pairing);
+      },
+      timeout);
 }
 
 }  // namespace ferry::detail

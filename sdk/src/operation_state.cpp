@@ -32,6 +32,29 @@ void OperationState::arm(std::chrono::milliseconds timeout) {
                  static_cast<std::uint64_t>(timeout.count()) + 1, 0);
 }
 
+void OperationState::arm_pairing(std::chrono::milliseconds timeout) {
+  if (timeout.count() <= 0 || is_final(status())) return;
+  pairing_timeout_ = timeout;
+  pairing_ = loop::Timer::timer(core->loop->uv(), this);
+  uv_update_time(core->loop->uv());
+  uv_timer_start(pairing_.get(), &OperationState::on_pairing_deadline,
+                 static_cast<std::uint64_t>(timeout.count()) + 1, 0);
+}
+
+std::string OperationState::pairing_text(std::chrono::milliseconds timeout) const {
+  return "not paired within the pairing deadline of " + std::to_string(timeout.count()) + " ms";
+}
+
+void OperationState::on_pairing_deadline(uv_timer_t* timer) {
+  auto* self = static_cast<OperationState*>(timer->data);
+  if (self == nullptr) return;
+  auto keep = self->shared_from_this();
+  loop::guarded(self->core->loop->log(), "pairing deadline", [&] {
+    self->finish(OperationStatus::errored,
+                 Error(ErrorCode::Timeout, self->pairing_text(self->pairing_timeout_)));
+  });
+}
+
 std::string OperationState::deadline_text(std::chrono::milliseconds timeout) const {
   return "the operation's deadline of " + std::to_string(timeout.count()) + " ms passed";
 }
@@ -64,6 +87,7 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
     core->loop->log().error("releasing operation " + id_hex + ": " + e.what());
   }
   deadline_.reset();
+  pairing_.reset();
   core->live.erase(id);
   if (counted_) {
     std::uint64_t bytes = 0;

@@ -35,6 +35,11 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
 
   /// Loop thread: enters the connector's live table and starts the deadline timer, if any.
   void arm(std::chrono::milliseconds timeout);
+  /// Loop thread: an operation paired by subject with no deadline of its own ends with
+  /// Timeout if it is not paired within `timeout` (ConnectorOptions::subject_timeout).
+  void arm_pairing(std::chrono::milliseconds timeout);
+  /// Loop thread: the operation is paired (the metadata arrived, a peer claimed it).
+  void paired() noexcept { pairing_.reset(); }
   /// Loop thread: ends the operation, once; later calls do nothing.
   void finish(OperationStatus status, std::optional<Error> error);
   /// Any thread: cancel() as the public API defines it.
@@ -75,9 +80,12 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   virtual void release(OperationStatus final_status, const Error& reason) = 0;
   /// The text of the Timeout error when the deadline passes.
   virtual std::string deadline_text(std::chrono::milliseconds timeout) const;
+  /// The text of the Timeout error when the pairing deadline passes.
+  virtual std::string pairing_text(std::chrono::milliseconds timeout) const;
 
  private:
   static void on_deadline(uv_timer_t* timer);
+  static void on_pairing_deadline(uv_timer_t* timer);
   void throw_if_failed() const;
 
   std::atomic<OperationStatus> status_{OperationStatus::initialized};
@@ -88,6 +96,8 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   std::string method_;                       // guarded by mu_
   loop::Timer deadline_;                     // loop thread only
   std::chrono::milliseconds timeout_{0};
+  loop::Timer pairing_;  // loop thread only
+  std::chrono::milliseconds pairing_timeout_{0};
   /// When the handle's call began: the start of the latency stats() reports.
   const std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();
   bool counted_ = false;  ///< loop thread: reported to the connector's stats by arm()

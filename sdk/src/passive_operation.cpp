@@ -112,6 +112,14 @@ void PassiveOperation::on_claimed(const transport::Claim& claim) {
   set_method(claim.method);
   claim_ = claim;
   if (status() == OperationStatus::initialized) set_status(OperationStatus::in_progress);
+  paired();
+}
+
+std::string PassiveOperation::pairing_text(std::chrono::milliseconds timeout) const {
+  return "served at subject '" + subject + "' for " + std::to_string(timeout.count()) +
+         " ms: " + (asked ? "a peer asked for it but none claimed it" : "nobody asked for it") +
+         " (ConnectorOptions::subject_timeout; give the operation a deadline of its own to wait "
+         "longer)";
 }
 
 void PassiveOperation::on_peer_finished(const std::string&, const std::optional<Error>& error) {

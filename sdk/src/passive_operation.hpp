@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <future>
 #include <memory>
 #include <optional>
@@ -30,6 +31,9 @@ class PassiveOperation final : public OperationState, public transport::Exposure
   /// thread, when the server has it.
   std::uint64_t serving = 0;
   std::shared_future<void> served;
+  std::string subject;
+  /// Set (on cnats' thread) when a peer asked for the metadata at the subject.
+  std::atomic<bool> asked{false};
 
   // transport::ExposureObserver
   void on_claimed(const transport::Claim& claim) override;
@@ -38,6 +42,7 @@ class PassiveOperation final : public OperationState, public transport::Exposure
 
  private:
   void release(OperationStatus final_status, const Error& reason) override;
+  std::string pairing_text(std::chrono::milliseconds timeout) const override;
 
   std::vector<transport::Transport*> exposed_on_;
   std::vector<std::shared_ptr<const transport::Registration>> registrations_;

@@ -57,6 +57,7 @@ void on_answer(ActiveOperation& op, std::uint64_t request, const sidechannel::Me
   }
   const std::string subject = op.asking->subject;
   stop_asking(op);  // the first answer wins; the others are dropped
+  op.paired();
   auto keep = op.shared_from_this();
   try {
     op.start(RdmaMetadata::from_json(reply.data));
@@ -94,13 +95,17 @@ void serve(Core& core, PassiveOperation& op, const std::string& subject, std::st
   auto registered = std::make_shared<std::promise<void>>();
   op.served = registered->get_future().share();
   std::weak_ptr<OperationState> weak = op.shared_from_this();
+  std::weak_ptr<PassiveOperation> passive =
+      std::static_pointer_cast<PassiveOperation>(op.shared_from_this());
+  op.subject = subject;
   // Answered on cnats' delivery thread, not the loop (two thread hops less per pairing): the
   // document is fixed, and whether the operation has ended is an atomic status.
   op.serving = core.nats->serve(
       subject,
-      [weak, doc = std::move(doc)](const std::string&) {
-        auto live = weak.lock();
+      [passive, doc = std::move(doc)](const std::string&) {
+        auto live = passive.lock();
         const bool ended = !live || is_final(live->status());
+        if (live) live->asked = true;
         return ended ? std::string(kEndedAnswer) : doc;
       },
       [registered, weak](const std::string& error) {

@@ -180,6 +180,41 @@ TEST_F(PairingTest, PassiveSideThatNeverAppearsGivesTimeoutByTheDeadline) {
       << read.error()->message();
 }
 
+// Without a deadline of its own, an operation paired by subject waits subject_timeout to be
+// paired, then ends with Timeout naming its subject: a typo cannot wait forever. After
+// pairing no such limit holds; an operation with its own deadline waits that long.
+TEST(PairingDeadline, AnOperationNobodyPairsEndsAfterSubjectTimeoutNamingItsSubject) {
+  test::NatsServer server;
+  ConnectorOptions o = nats_options("owner", {server.url()});
+  o.subject_timeout = 300ms;
+  Connector owner(o);
+  o.name = "peer";
+  Connector peer(o);
+  auto buf = test::buffer(64);
+  const auto start = std::chrono::steady_clock::now();
+  auto read = peer.begin_read(Subject("kv.typo"), {Descriptor(buf.data(), buf.size())});
+  auto served = owner.create_readable({Descriptor(buf.data(), buf.size())}, at("kv.nobody.asks"));
+  EXPECT_EQ(ended_with(read), ErrorCode::Timeout);
+  EXPECT_EQ(ended_with(served), ErrorCode::Timeout);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 300ms);
+  EXPECT_NE(read.error()->message().find("'kv.typo'"), std::string::npos)
+      << read.error()->message();
+  EXPECT_NE(read.error()->message().find("nobody served it"), std::string::npos)
+      << read.error()->message();
+  EXPECT_NE(served.error()->message().find("'kv.nobody.asks'"), std::string::npos)
+      << served.error()->message();
+  EXPECT_NE(served.error()->message().find("nobody asked for it"), std::string::npos)
+      << served.error()->message();
+  // A deadline of its own replaces the pairing deadline.
+  auto patient =
+      peer.begin_read(Subject("kv.later"), {Descriptor(buf.data(), buf.size())}, at("", 5s));
+  EXPECT_EQ(patient.wait(600ms), OperationStatus::in_progress);
+  auto late = owner.create_readable({Descriptor(buf.data(), buf.size())}, at("kv.later"));
+  EXPECT_EQ(patient.wait(10s), OperationStatus::complete);
+  // A paired operation is not cut by the pairing deadline: the served one completes too.
+  EXPECT_EQ(late.wait(10s), OperationStatus::complete);
+}
+
 // The reader asks as soon as the previous operation at the subject has ended, before the
 // next one exists: its request may reach the server while the ended operation's UNSUB is
 // still on its way, and go to that subscription alone. It must be answered "ended" (the

@@ -137,6 +137,12 @@ struct ConnectorOptions {
   uv_loop_s* loop = nullptr;
   /// Deadline for operations that set none; zero: no deadline.
   std::chrono::milliseconds default_timeout{0};
+  /// How long an operation paired by subject that has no deadline of its own (neither
+  /// OperationOptions::timeout nor default_timeout) waits to be paired: the asker until the
+  /// metadata arrives ("nobody served it"), the server until a peer claims it ("nobody asked
+  /// for it"); then it ends with Timeout naming its subject. The transfer after pairing has
+  /// no such limit. Zero: wait forever.
+  std::chrono::milliseconds subject_timeout{30000};
   /// How long a silent peer connection may stay unanswered before its operations are errored
   /// with PeerLost; a peer whose process dies is noticed at once by its closed socket.
   std::chrono::milliseconds peer_timeout{2000};
