@@ -1,5 +1,6 @@
 #include "bench/ferry_bench/options.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -238,6 +239,8 @@ Options parse_options(int argc, char** argv) {
       name = name.substr(0, eq);
       has_value = true;
     }
+    // nixlbench's --snake_case names, and --kebab-case as ferry-info takes them: both.
+    std::replace(name.begin(), name.end(), '-', '_');
     if (auto f = flags.find(name); f != flags.end()) {
       if (has_value) throw std::invalid_argument("--" + name + " takes no value");
       f->second();

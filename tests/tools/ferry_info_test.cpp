@@ -236,6 +236,14 @@ TEST(FerryInfo, BadUsageExitsWith2) {
   }
 }
 
+TEST(FerryInfo, TakesSnakeCaseOptionsAsFerryBenchDoes) {
+  ToolRun run = run_ferry_info({"--timeout_ms", "500", "--transports=tcp"});
+  EXPECT_EQ(run.exit_code, 0) << run.err;
+  ToolRun bad = run_ferry_info({"--timeout_ms=0"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("--timeout-ms wants milliseconds"), std::string::npos) << bad.err;
+}
+
 TEST(FerryInfo, HelpExitsWith0) {
   ToolRun run = run_ferry_info({"--help"});
   EXPECT_EQ(run.exit_code, 0);

@@ -129,6 +129,8 @@ Args parse_args(int argc, char** argv) {
       inline_value = arg.substr(eq + 1);
       arg.erase(eq);
     }
+    // --kebab-case, and --snake_case as ferry-bench (nixlbench's names) takes them: both.
+    if (arg.rfind("--", 0) == 0) std::replace(arg.begin() + 2, arg.end(), '_', '-');
     auto value = [&]() -> std::string {
       if (inline_value) return *inline_value;
       if (i + 1 >= argc) throw UsageError(arg + " wants a value");
