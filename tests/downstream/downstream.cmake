@@ -22,6 +22,17 @@ if(FERRY_SANITIZE)
 endif()
 string(STRIP "${_ferry_ds_flags}" _ferry_ds_flags)
 
+# The tools cmake --install puts into bin/ (when this build makes them).
+# (bench/ comes after tests/: its option says whether ferry-bench is built.)
+set(_ferry_ds_tools "")
+if(TARGET ferry-info)
+  list(APPEND _ferry_ds_tools ferry-info)
+endif()
+if(FERRY_BUILD_BENCH)
+  list(APPEND _ferry_ds_tools ferry-bench)
+endif()
+string(REPLACE ";" "," _ferry_ds_tools "${_ferry_ds_tools}")  # a list through add_test
+
 foreach(_mode IN ITEMS find_package pkg_config)
   add_test(NAME downstream_${_mode}
     COMMAND ${CMAKE_COMMAND}
@@ -41,6 +52,7 @@ foreach(_mode IN ITEMS find_package pkg_config)
       "-DCXX_COMPILER=${CMAKE_CXX_COMPILER}"
       "-DCXX_FLAGS=${_ferry_ds_flags}"
       "-DPKG_CONFIG=${PKG_CONFIG_EXECUTABLE}"
+      "-DTOOLS=${_ferry_ds_tools}"
       -P "${_ferry_ds_dir}/check.cmake")
   set_tests_properties(downstream_${_mode} PROPERTIES
     LABELS install
