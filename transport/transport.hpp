@@ -51,8 +51,9 @@ struct Capabilities {
 
 /// The claim of a passive operation by its one peer.
 struct Claim {
-  std::string method;   ///< the method it came by
-  std::string peer;     ///< the peer, described for messages
+  std::string method;     ///< the method it came by
+  std::string peer;       ///< the peer, described for messages
+  std::string peer_name;  ///< its connector's name, as its HELLO gave it
   std::string peer_id;  ///< its connector id (16 hex digits) if the transport learns it, else empty
   /// A fresh secret the transport handed to the claimant alone (over the claim's own
   /// connection): completion notices that arrive by other ways count only if they carry it.

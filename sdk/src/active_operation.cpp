@@ -15,6 +15,7 @@ void ActiveOperation::start(const RdmaMetadata& m) {
   // Valid metadata names its owner: from here on, however this ends, the owner is told.
   m.validate();
   remote = m;
+  set_peer(m.owner);
   check_remote(m, kind, local);
   candidates_ = core->choose(m, memory_kinds_of(local));
   next_candidate_ = 0;

@@ -49,6 +49,8 @@ bool Operation::wait_for_completion(std::chrono::nanoseconds timeout) const {
   return state().wait_for(timeout);
 }
 
+std::optional<PeerIdentity> Operation::peer() const { return state().peer(); }
+
 OperationStatus Operation::wait(std::chrono::nanoseconds timeout) const {
   return state().wait_status(timeout);
 }

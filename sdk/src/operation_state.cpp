@@ -55,6 +55,16 @@ void OperationState::on_pairing_deadline(uv_timer_t* timer) {
   });
 }
 
+std::optional<PeerIdentity> OperationState::peer() const {
+  std::lock_guard lock(mu_);
+  return peer_;
+}
+
+void OperationState::set_peer(PeerIdentity peer) {
+  std::lock_guard lock(mu_);
+  peer_ = std::move(peer);
+}
+
 std::string OperationState::deadline_text(std::chrono::milliseconds timeout) const {
   return "the operation's deadline of " + std::to_string(timeout.count()) + " ms passed";
 }

@@ -63,6 +63,9 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
 
   /// Any thread: the method chosen, or empty.
   std::string method() const;
+  /// The peer, once known (any thread); set on the loop thread.
+  std::optional<PeerIdentity> peer() const;
+  void set_peer(PeerIdentity peer);
   void set_method(const std::string& method);
 
   const std::shared_ptr<Core> core;
@@ -94,6 +97,7 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   std::optional<Error> error_;               // guarded by mu_
   std::vector<CompletionCallback> waiting_;  // guarded by mu_
   std::string method_;                       // guarded by mu_
+  std::optional<PeerIdentity> peer_;         // guarded by mu_
   loop::Timer deadline_;                     // loop thread only
   std::chrono::milliseconds timeout_{0};
   loop::Timer pairing_;  // loop thread only

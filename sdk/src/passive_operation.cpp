@@ -110,6 +110,7 @@ void PassiveOperation::on_claimed(const transport::Claim& claim) {
     return true;
   });
   set_method(claim.method);
+  set_peer(PeerIdentity{claim.peer_name, claim.peer_id, {}, 0});
   claim_ = claim;
   if (status() == OperationStatus::initialized) set_status(OperationStatus::in_progress);
   paired();

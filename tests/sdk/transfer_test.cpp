@@ -65,6 +65,29 @@ TEST(Wait, ReturnsTheFinalStatusWithoutThrowing) {
   EXPECT_THROW((void)ReadOperation().wait(), Error);
 }
 
+// A completed operation says whom it was with: the active side the owner its metadata named,
+// the passive side the peer that claimed it.
+TEST(Peer, BothSidesNameEachOther) {
+  for (bool tcp : {false, true}) {
+    SCOPED_TRACE(tcp ? "tcp" : "best method");
+    Connector owner(tcp ? test::tcp_only("owner") : test::named("owner"));
+    Connector peer(tcp ? test::tcp_only("peer") : test::named("peer"));
+    auto src = patterned(4096, 4);
+    auto dst = buffer(4096);
+    auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+    EXPECT_FALSE(readable.peer().has_value());
+    auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+    ASSERT_EQ(read.wait(kWait), OperationStatus::complete);
+    ASSERT_EQ(readable.wait(kWait), OperationStatus::complete);
+    ASSERT_TRUE(read.peer().has_value());
+    EXPECT_EQ(*read.peer(), owner.identity());
+    ASSERT_TRUE(readable.peer().has_value());
+    EXPECT_EQ(readable.peer()->name, "peer");
+    EXPECT_EQ(readable.peer()->id, peer.identity().id);
+    EXPECT_EQ(read.method(), tcp ? "tcp" : readable.method());
+  }
+}
+
 TEST_P(TransferTest, WritableToWrite) {
   const std::size_t size = GetParam();
   auto src = patterned(size, 2);

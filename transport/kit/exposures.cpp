@@ -32,6 +32,7 @@ std::optional<Token> Exposures::claim(Entry& entry, std::uint64_t conn, const st
   Claim c;
   c.method = method_;
   c.peer = description;
+  c.peer_name = name;
   c.peer_id = peer_id;
   c.secret = random_token();
   notify(

@@ -68,6 +68,11 @@ class Operation {
   /// active operation paired by subject chooses once the metadata arrives; a passive one
   /// once its peer claims it). Any thread.
   std::string method() const;
+  /// The peer this operation is (or was) with, once known: for an active operation the owner
+  /// its metadata names (name, id, host, pid), from when the metadata is in hand; for a
+  /// passive one the peer that claimed it (its connector's name and id; host and pid are not
+  /// told). Empty before, and for a passive operation nobody claimed. Any thread.
+  std::optional<PeerIdentity> peer() const;
   /// The local descriptors, as given. Any thread.
   const std::vector<Descriptor>& descriptors() const;
   /// Why the operation was cancelled or errored; empty otherwise. Any thread.
