@@ -66,7 +66,9 @@ std::optional<Error> MethodSelector::failure(const std::string& peer,
   if (it == failed_.end()) return std::nullopt;
   if (std::chrono::steady_clock::now() - it->second.at > remember_) return std::nullopt;
   const Error& e = it->second.error;
-  return Error(e.code(), "failed before toward this peer (" + e.message() + ")");
+  Error before(e.code(), "failed before toward this peer (" + e.message() + ")");
+  before.set_retryable(e.retryable());
+  return before;
 }
 
 }  // namespace ferry::transport

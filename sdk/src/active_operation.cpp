@@ -79,7 +79,8 @@ void ActiveOperation::on_transfer_setup_failed(const Error& error) {
     if (candidates_.size() <= 1)
       finish(OperationStatus::errored, error);
     else if (only_unreachable_)
-      finish(OperationStatus::errored, Error(error.code(), no_method_text()));
+      finish(OperationStatus::errored,
+             Error(error.code(), no_method_text()).set_retryable(error.retryable()));
     else
       finish(OperationStatus::errored, Error(ErrorCode::NoCommonMethod, no_method_text()));
   } catch (const Error& e) {

@@ -58,6 +58,7 @@ std::string compose(ErrorCode code, const std::string& message, const std::strin
 Error::Error(ErrorCode code, const std::string& message, std::string field)
     : std::runtime_error(""),  // what() is what_: the base's text is shared between copies
       code_(code),
+      retryable_(is_retryable(code)),
       message_(message),
       field_(std::move(field)),
       what_(compose(code, message, field_)) {}

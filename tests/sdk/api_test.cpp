@@ -77,6 +77,10 @@ TEST(Error, WhatNamesCodeFieldAndMessage) {
   EXPECT_FALSE(e.retryable());
   EXPECT_TRUE(Error(ErrorCode::PeerLost, "x").retryable());
   EXPECT_TRUE(Error(ErrorCode::Timeout, "x").retryable());
+  Error gone(ErrorCode::PeerLost, "the process is gone");
+  gone.set_retryable(false);
+  const Error copied = gone;  // what an operation's error() hands out
+  EXPECT_FALSE(copied.retryable());
 }
 
 TEST(OperationHandle, EmptyHandleIsUninitializedAndRefusesCalls) {

@@ -13,8 +13,12 @@ Error copy_error(int err, Access access, const std::string& peer_name, std::int6
   const std::string who = "peer '" + peer_name + "' (pid " + std::to_string(pid) + ")";
   const char* call = access == Access::read ? "process_vm_readv" : "process_vm_writev";
   switch (err) {
-    case ESRCH:
-      return Error(ErrorCode::PeerLost, who + " exited during the transfer");
+    case ESRCH: {
+      // The process is gone: its operation with it. Retrying the same metadata cannot help.
+      Error gone(ErrorCode::PeerLost, who + " exited during the transfer");
+      gone.set_retryable(false);
+      return gone;
+    }
     case EFAULT:
       return Error(ErrorCode::AccessDenied,
                    std::string(call) + " toward " + who + ": " + same_host::errno_text(err) +

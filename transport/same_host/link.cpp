@@ -42,8 +42,10 @@ Link::Link(const Context& ctx, Client& client, std::string method, std::uint64_t
   } catch (const Error& e) {
     // In our own PID namespace, PeerLost: the owner is gone, which another method cannot fix
     // either.
-    throw Error(e.code(), method_ + ": no process " + std::to_string(info.scope.pid) + " for " +
-                              who + " (" + e.message() + ")");
+    Error gone(e.code(), method_ + ": no process " + std::to_string(info.scope.pid) + " for " +
+                             who + " (" + e.message() + ")");
+    gone.set_retryable(e.retryable());
+    throw gone;
   }
   sockaddr_un addr{};
   socklen_t len = 0;
@@ -117,6 +119,7 @@ std::optional<Error> Link::on_hello(StreamConnection&, const FrameHeader& hello,
           " (ptrace rules: Yama's ptrace_scope, or the owner's credentials or user namespace "
           "differ from ours)";
     refusal_ = Error(err == ESRCH ? ErrorCode::PeerLost : ErrorCode::Unsupported, why);
+    if (err == ESRCH) refusal_->set_retryable(false);  // the owner's process is gone
     return refusal_;
   }
   if (!tokens_equal(seen, hello.token)) {

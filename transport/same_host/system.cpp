@@ -112,8 +112,10 @@ int open_pidfd(std::int64_t pid) {
   if (fd >= 0) return fd;
   const int err = errno;
   if (err == ENOSYS) return -1;
-  throw Error(err == ESRCH ? ErrorCode::PeerLost : ErrorCode::Unsupported,
+  Error error(err == ESRCH ? ErrorCode::PeerLost : ErrorCode::Unsupported,
               "pidfd_open of process " + std::to_string(pid) + ": " + errno_text(err));
+  if (err == ESRCH) error.set_retryable(false);  // the process is gone
+  throw error;
 #else
   (void)pid;
   return -1;

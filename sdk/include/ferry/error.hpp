@@ -49,10 +49,18 @@ class Error : public std::runtime_error {
   const std::string& message() const noexcept { return message_; }
   /// For InvalidMetadata: the JSON path of the offending field ("descriptors[2].size").
   const std::string& field() const noexcept { return field_; }
-  bool retryable() const noexcept { return is_retryable(code_); }
+  /// Whether retrying may help: what is_retryable(code()) says, unless ferry knows better (a
+  /// peer whose process is gone, say: PeerLost, but no retry reaches it).
+  bool retryable() const noexcept { return retryable_; }
+  /// Overrides retryable() (for errors whose code says more than is true).
+  Error& set_retryable(bool retryable) noexcept {
+    retryable_ = retryable;
+    return *this;
+  }
 
  private:
   ErrorCode code_;
+  bool retryable_;
   std::string message_;
   std::string field_;
   std::string what_;

@@ -1,6 +1,7 @@
 // transport/cma/cma_transport.hpp: what a cma transport judges from an endpoint alone, and
 // copies cut into jobs.
 #include <gtest/gtest.h>
+#include <cerrno>
 
 #include <climits>
 #include <cstring>
@@ -11,6 +12,7 @@
 
 #include "loop/event_loop.hpp"
 #include "tests/support/util.hpp"
+#include "transport/cma/cma_copier.hpp"
 #include "transport/cma/cma_transport.hpp"
 #include "transport/method_selector.hpp"
 #include "transport/same_host/owner_info.hpp"
@@ -81,6 +83,19 @@ namespace {
 
 // More pieces than one process_vm_* call takes (IOV_MAX): the copy is cut into jobs of at most
 // IOV_MAX pieces, on the thread pool, and every byte lands where the byte stream says.
+// A peer whose process is gone (ESRCH) is lost for good: PeerLost, but not retryable. One
+// that refused (EPERM) or whose memory is not mapped (EFAULT) is AccessDenied.
+TEST(CmaErrors, AProcessThatIsGoneIsPeerLostAndNotRetryable) {
+  const Error gone = transport::cma::copy_error(ESRCH, transport::Access::read, "owner", 4242);
+  EXPECT_EQ(gone.code(), ErrorCode::PeerLost);
+  EXPECT_FALSE(gone.retryable());
+  EXPECT_NE(gone.message().find("exited during the transfer"), std::string::npos);
+  EXPECT_EQ(transport::cma::copy_error(EFAULT, transport::Access::write, "owner", 4242).code(),
+            ErrorCode::AccessDenied);
+  EXPECT_EQ(transport::cma::copy_error(EPERM, transport::Access::read, "owner", 4242).code(),
+            ErrorCode::AccessDenied);
+}
+
 TEST(CmaBatches, ScatterGatherListsLongerThanIovMaxArriveWhole) {
   ConnectorOptions o = test::named("batches");
   o.transports = {"cma"};
