@@ -198,8 +198,13 @@ void TcpListener::serve_read(StreamConnection& conn, const FrameHeader& h) {
     return;
   }
   claim(*v.entry, conn);
-  if (const int ordinal = device_of(*v.entry, v.ptr); ordinal >= 0) {
-    serve_read_staged(conn, h, v.ptr, ordinal);
+  answer_read(conn, h, *v.entry, v.ptr);
+}
+
+void TcpListener::answer_read(StreamConnection& conn, const FrameHeader& h,
+                              const kit::Exposures::Entry& entry, std::byte* ptr) {
+  if (const int ordinal = device_of(entry, ptr); ordinal >= 0) {
+    serve_read_staged(conn, h, ptr, ordinal);
     return;
   }
   exposures_.sending(h.op_id);
@@ -208,7 +213,7 @@ void TcpListener::serve_read(StreamConnection& conn, const FrameHeader& h) {
   d.req_id = h.req_id;
   d.addr = h.addr;
   d.len = h.len;
-  conn.send(d, {}, v.ptr, h.op_id);
+  conn.send(d, {}, ptr, h.op_id);
 }
 
 wire::Sink TcpListener::receive_read_ranges(StreamConnection& conn, const FrameHeader& h) {
@@ -257,21 +262,11 @@ void TcpListener::serve_read_ranges(StreamConnection& conn, const FrameHeader& h
   }
   claim(*entry, conn);
   for (const Piece& p : pieces) {
-    FrameHeader one = h;
+    FrameHeader one = h;  // each range as the READ of it would be
     one.type = FrameType::read;
     one.addr = p.addr;
     one.len = p.len;
-    if (const int ordinal = device_of(*entry, p.ptr); ordinal >= 0) {
-      serve_read_staged(conn, one, p.ptr, ordinal);
-      continue;
-    }
-    exposures_.sending(h.op_id);
-    FrameHeader d;
-    d.type = FrameType::data;
-    d.req_id = h.req_id;
-    d.addr = p.addr;
-    d.len = p.len;
-    conn.send(d, {}, p.ptr, h.op_id);
+    answer_read(conn, one, *entry, p.ptr);
   }
 }
 

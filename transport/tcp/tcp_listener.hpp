@@ -95,6 +95,10 @@ class TcpListener final : private wire::StreamConnection::Handler {
 
   void accept(int fd);
   void serve_read(wire::StreamConnection& conn, const wire::FrameHeader& h);
+  /// One checked range of a READ `h` (or of a READ_RANGES), at `ptr` of `entry`'s memory: one
+  /// DATA straight from it, or through a staging chunk from device memory.
+  void answer_read(wire::StreamConnection& conn, const wire::FrameHeader& h,
+                   const kit::Exposures::Entry& entry, std::byte* ptr);
   wire::Sink receive_read_ranges(wire::StreamConnection& conn, const wire::FrameHeader& h);
   /// A READ_RANGES whose list arrived: every range is checked before one DATA per range leaves.
   void serve_read_ranges(wire::StreamConnection& conn, const wire::FrameHeader& h,
