@@ -36,6 +36,7 @@
 #include "tests/cuda/device_memory.hpp"
 #include "tests/cuda/peer_child.hpp"
 #include "tests/cuda/simulated_driver.hpp"
+#include "tests/support/gate.hpp"
 #include "tests/support/patterns.hpp"
 #include "transport/cuda/cuda_memory.hpp"
 #include "transport/cuda_ipc/cuda_ipc_transport.hpp"
@@ -484,32 +485,8 @@ class Peer {
   std::deque<std::unique_ptr<Transfer>> transfers_;
 };
 
-/// A gate the peer's loop waits at (at most kWait) until the test opens it: while it waits,
-/// the peer hears nothing from the owner.
-class Gate {
- public:
-  void wait() {
-    std::unique_lock lock(mu_);
-    entered_ = true;
-    cv_.notify_all();
-    cv_.wait_for(lock, kWait, [&] { return open_; });
-  }
-  bool wait_entered() {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, kWait, [&] { return entered_; });
-  }
-  void open() {
-    std::lock_guard lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool entered_ = false;
-  bool open_ = false;
-};
+// The peer's loop waits at a test::Gate (at most kWait): meanwhile it hears nothing of the owner.
+using test::Gate;
 
 /// Segments pairing the owner's ranges (offset, length) of `s` with `local`, one stream each.
 std::vector<Segment> segments(const Served& s,
@@ -820,7 +797,7 @@ TEST_P(CudaIpcLateAccess, IsRefusedByTheGrantAndTouchesNothing) {
   std::vector<std::byte> early = test::patterned(kSize, 62);
   std::vector<std::byte> late_src = test::patterned(kSize, 63);
   std::unique_ptr<std::byte[]> late_dst = test::filled(kSize, kUntouched);
-  Gate gate;
+  Gate gate{kWait};
   std::atomic<bool> started{false};
   const Served s = serve(kSize, 61);
   Peer peer("peer");

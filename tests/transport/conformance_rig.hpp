@@ -31,6 +31,7 @@
 #include "build_config.hpp"
 #include "loop/event_loop.hpp"
 #include "tests/support/fake_transport.hpp"
+#include "tests/support/gate.hpp"
 #include "tests/support/patterns.hpp"
 #include "transport/cma/cma_transport.hpp"
 #include "transport/tcp/tcp_transport.hpp"
@@ -521,27 +522,9 @@ struct Served {
 
 inline std::atomic<std::uint64_t> next_exposure_id{0x5100};
 
-/// A gate a loop thread waits at (for at most 10 s) until the test opens it: while it waits,
-/// the transport of that loop moves nothing.
-class Gate {
- public:
-  void wait() {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, 10s, [&] { return open_; });
-  }
-  void open() {
-    {
-      std::lock_guard lock(mu_);
-      open_ = true;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
+// A loop thread waits at a test::Gate (at most 10 s) until the test opens it: meanwhile the
+// transport of that loop moves nothing.
+using test::Gate;
 
 /// A transfer destroyed on its own loop.
 class Running {

@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tests/support/gate.hpp"
 #include "tests/support/patterns.hpp"
 #include "tests/support/simverbs/simverbs.hpp"
 #include "tests/transport/verbs/rig.hpp"
@@ -159,32 +160,8 @@ class AttachLog final : public AttachObserver {
   State state_ = attaching;
 };
 
-/// A gate a loop waits at (at most kWait) until the test opens it: while it waits, the side
-/// of that loop hears nothing.
-class Gate {
- public:
-  void wait() {
-    std::unique_lock lock(mu_);
-    entered_ = true;
-    cv_.notify_all();
-    cv_.wait_for(lock, kWait, [&] { return open_; });
-  }
-  bool wait_entered() {
-    std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, kWait, [&] { return entered_; });
-  }
-  void open() {
-    std::lock_guard lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool entered_ = false;
-  bool open_ = false;
-};
+// A loop waits at a test::Gate (at most kWait): meanwhile its side hears nothing.
+using test::Gate;
 
 /// A peer's attachment and its transfers, destroyed on the peer's loop.
 struct Held {
@@ -282,7 +259,7 @@ TEST_P(RegionKeys, ALateReadAndWriteUnderTheKeysOfAnEndedAttachmentAreRefusedByT
   RegionLog rlog;
   AttachLog alog_r, alog_w;
   Log live_read, live_write, late_read, late_write;
-  Gate gate_r, gate_w;
+  Gate gate_r{kWait}, gate_w{kWait};
   Side owner("owner", Spied<0>::api(), "127.0.0.1", tune);
   Side reader("reader", Spied<1>::api(), "127.0.0.1", tune);
   Side writer("writer", Spied<2>::api(), "127.0.0.1", tune);
