@@ -198,22 +198,20 @@ bool TcpLink::request_ranges(TcpTransfer& t) {
 wire::Sink TcpLink::piece_sink(Request& r, const FrameHeader& h) {
   // Pieces come in order unless the owner stages device memory; one naming a range twice is
   // filled twice, once per DATA.
-  std::size_t i = r.next;
-  for (std::size_t k = 0; k < r.pieces.size(); ++k, ++i) {
-    if (i == r.pieces.size()) i = 0;
-    const Piece& p = r.pieces[i];
-    if (!p.arrived && p.remote == h.addr && p.len == h.len) break;
+  const std::size_t n = r.pieces.size();
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t i = (r.next + k) % n;
+    Piece& p = r.pieces[i];
+    if (p.arrived || p.remote != h.addr || p.len != h.len) continue;
+    p.arrived = true;  // counted when its payload is in (on_payload)
+    r.next = (i + 1) % n;
+    wire::Sink sink;
+    sink.dest = p.local;
+    sink.tag = r.transfer;
+    return sink;
   }
-  if (i == r.pieces.size() || r.pieces[i].arrived || r.pieces[i].remote != h.addr ||
-      r.pieces[i].len != h.len)
-    return wire::fatal("DATA of " + std::to_string(h.len) + " bytes at " + std::to_string(h.addr) +
-                       " matches no range of read request " + std::to_string(h.req_id));
-  r.pieces[i].arrived = true;  // counted when its payload is in (on_payload)
-  r.next = i + 1 == r.pieces.size() ? 0 : i + 1;
-  wire::Sink sink;
-  sink.dest = r.pieces[i].local;
-  sink.tag = r.transfer;
-  return sink;
+  return wire::fatal("DATA of " + std::to_string(h.len) + " bytes at " + std::to_string(h.addr) +
+                     " matches no range of read request " + std::to_string(h.req_id));
 }
 
 void TcpLink::send_done(TcpTransfer& t, const Error* error) {
