@@ -16,6 +16,7 @@
 #include "sidechannel/nats_adapter.hpp"
 #include "sidechannel/nats_connect.hpp"
 #include "sidechannel/outbox.hpp"
+#include "sidechannel/subjects.hpp"
 
 namespace ferry::sidechannel {
 
@@ -345,8 +346,12 @@ std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std:
                                           MessageHandler handler, Registered registered,
                                           Answer direct) {
   const std::uint64_t id = state_->next_sub++;
-  const bool inbox = !handler;  // our own "<inbox>.*", the one wildcard subscription
-  if (auto why = inbox ? std::nullopt : subject_problem(subject); closing_ || why) {
+  const bool inbox = !handler;  // our own "<inbox>.*"
+  // A served subject is literal; a subscription may be a pattern (the application's).
+  if (auto why = inbox    ? std::nullopt
+                 : direct ? subject_problem(subject)
+                          : pattern_problem(subject);
+      closing_ || why) {
     if (registered) registered(closing_ ? "the side channel is closing" : "subject " + *why);
     return id;
   }

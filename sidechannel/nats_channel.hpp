@@ -65,11 +65,12 @@ class NatsChannel {
   /// once the channel is closing.
   using Registered = std::function<void(const std::string& error)>;
 
-  /// Subscribes; `handler` runs on the loop for each message until unsubscribe(). `queue`
-  /// may be empty. Returns an id for unsubscribe(). `registered`, when given, hears when the
-  /// server has the subscription: a request published after that reaches the handler. (The
-  /// server handles a connection's messages in order, so a message this connection sends to
-  /// itself after the SUB comes back only once the SUB is in place; nothing blocks.)
+  /// Subscribes to `subject`, which may be a pattern (pattern_problem(), subjects.hpp);
+  /// `handler` runs on the loop for each message until unsubscribe(). `queue` may be empty.
+  /// Returns an id for unsubscribe(). `registered`, when given, hears when the server has the
+  /// subscription: a request published after that reaches the handler. (The server handles a
+  /// connection's messages in order, so a message this connection sends to itself after the
+  /// SUB comes back only once the SUB is in place; nothing blocks.)
   ///
   /// A confirmation has a deadline of request_timeout, counted while the connection is up:
   /// after a reconnect every pending confirmation is sent again (behind the SUBs cnats sends

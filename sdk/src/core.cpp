@@ -9,6 +9,7 @@
 
 #include "loop/ids.hpp"
 #include "sdk/src/active_operation.hpp"
+#include "sdk/src/messaging.hpp"
 #include "sdk/src/options.hpp"
 #include "sdk/src/passive_operation.hpp"
 #include "sdk/src/region_state.hpp"
@@ -234,6 +235,7 @@ void Core::shutdown() noexcept {
     for (auto& [id, weak] : regions)
       if (auto r = weak.lock()) served.push_back(std::move(r));
     for (auto& r : served) r->end(closing);
+    end_messaging(*this);
     for (auto& t : transports) t->close();
     transports.clear();
     // Last, and without blocking the loop: the cancelled operations' completion notices

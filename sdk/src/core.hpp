@@ -24,6 +24,8 @@ class PassiveOperation;
 class ActiveOperation;
 class RegionState;
 class AttachmentState;
+struct SubscriptionState;
+struct PendingRequest;
 
 /// An operation's start, run on the loop: handed to it from another thread, or at once on the
 /// loop thread. Either way a refusal it meets ends the operation with that error. When the
@@ -116,6 +118,10 @@ class Core : public std::enable_shared_from_this<Core> {
   /// Regions served and attachments made here, until they end (shutdown() ends them).
   std::unordered_map<std::uint64_t, std::weak_ptr<RegionState>> regions;
   std::unordered_map<std::uint64_t, std::weak_ptr<AttachmentState>> attachments;
+  /// The application's subscriptions and open requests (sdk/src/messaging.cpp), until they end
+  /// (shutdown() ends them).
+  std::unordered_map<std::uint64_t, std::weak_ptr<SubscriptionState>> subscriptions;
+  std::unordered_map<std::uint64_t, std::shared_ptr<PendingRequest>> requests;
   bool closed = false;
   /// Any thread: what the operations came to (Connector::stats()).
   StatsRecorder stats;

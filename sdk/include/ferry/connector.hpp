@@ -7,10 +7,12 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
 #include <ferry/descriptor.hpp>
+#include <ferry/messaging.hpp>
 #include <ferry/operation.hpp>
 #include <ferry/options.hpp>
 #include <ferry/rdma_metadata.hpp>
@@ -61,7 +63,9 @@ std::vector<MethodInfo> probe_methods(const ConnectorOptions& options = {});
 /// loop and return at once (one thread hop less per operation).
 ///
 /// Destructor: cancels every operation that has not ended (their handles then report
-/// `cancelled`), closes all connections and stops the loop thread. Handles may outlive it.
+/// `cancelled`), ends every subscription (no handler runs afterwards) and every pending
+/// request (its handler gets Cancelled), closes all connections and stops the loop thread.
+/// Handles may outlive it.
 class Connector {
  public:
   /// Starts the loop (or attaches to options.loop) and the TCP listener.
@@ -178,6 +182,49 @@ class Connector {
 
   /// Whether this connector has a NATS side channel (and so can pair by subject). Any thread.
   bool has_side_channel() const noexcept;
+
+  // Messaging on the side channel's own connection (docs/sidechannel.md, "Messaging"): the
+  // worker's own orchestration ("decode-3 is ready", "which blocks for request 17") without a
+  // second NATS connection. Every call below throws Error(InvalidState) without a side channel
+  // or once the connector is closed, and Error(InvalidArgument) for a subject (or reply
+  // subject) that is malformed or lies in ferry's own namespace (NatsOptions::prefix: ferry's
+  // control messages live there, and carry credentials). Handlers run on the loop thread.
+
+  /// Subscribes to `subject`, which may hold the wildcards `*` (one token) and `>` (the rest,
+  /// last token only); `handler` runs on the loop thread for each message until the returned
+  /// handle unsubscribes (or is destroyed) or the connector is closed. Off the loop thread,
+  /// returns once the server has the subscription, so that a message anyone publishes after
+  /// the call returns reaches the handler; throws Error(SideChannel) when the server refuses
+  /// it or does not confirm it within NatsOptions::request_timeout, Error(Cancelled) when the
+  /// connector closes meanwhile. On the loop thread it cannot wait: it returns at once (what
+  /// this connector publishes afterwards is still seen, since one connection's messages reach
+  /// the server in order), and a later refusal ends the subscription (Subscription::error()).
+  /// Also InvalidArgument for an empty handler or a bad queue name.
+  [[nodiscard("dropping the handle unsubscribes")]] Subscription subscribe(
+      std::string subject, MessageHandler handler, SubscribeOptions options = {});
+  /// Publishes `data` to `subject` (no wildcards), with `reply` as its reply subject when not
+  /// empty. Returns once the message is handed to the connection, in call order (a publish
+  /// after subscribe() returns comes after the subscription). Throws Error(SideChannel) when
+  /// `data` exceeds the server's max_payload (naming both sizes); a connection that is down
+  /// keeps the message until it is back (cnats' reconnect buffer). Any thread.
+  void publish(std::string_view subject, std::string_view data, std::string_view reply = {});
+  /// Answers `request` (a message a subscription handler got) with `data`, at its reply
+  /// subject. Throws Error(InvalidArgument) when `request` has no reply subject, or one in
+  /// ferry's namespace that is not a request inbox (another ferry connector's request() is
+  /// answered there); as publish() otherwise. Any thread.
+  void respond(const Message& request, std::string_view data);
+  /// Publishes a request and calls `on_reply` once, on the loop thread, with the first answer,
+  /// or with an error: Timeout ("no reply at 'x' within N ms") once `timeout` (positive)
+  /// passes, PeerLost when the server says nobody subscribes to `subject` (no responders;
+  /// retryable), Cancelled when the connector is closed first. Never calls it within this
+  /// call. Throws as publish() does (and InvalidArgument for a timeout that is not positive or
+  /// an empty handler); then `on_reply` is never called. Any thread.
+  void request(std::string subject, std::string data, std::chrono::milliseconds timeout,
+               ReplyHandler on_reply);
+  /// The same, waiting for the answer: returns it, or throws the error on_reply would get.
+  /// Any thread but the loop thread, where it throws Error(WrongThread) instead of
+  /// deadlocking.
+  Message request(std::string subject, std::string data, std::chrono::milliseconds timeout);
 
   /// This connector's name, id, host and process, as put into metadata. Any thread.
   const PeerIdentity& identity() const noexcept;

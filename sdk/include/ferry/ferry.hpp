@@ -6,6 +6,7 @@
 #include <ferry/device.hpp>
 #include <ferry/error.hpp>
 #include <ferry/log.hpp>
+#include <ferry/messaging.hpp>
 #include <ferry/operation.hpp>
 #include <ferry/operation_status.hpp>
 #include <ferry/options.hpp>
