@@ -200,18 +200,13 @@ std::optional<RegionEvent> RegionState::next_event(std::chrono::nanoseconds time
 }
 
 void RegionState::emit(RegionEvent event) {
-  if (options.on_event) {
-    try {
-      options.on_event(event);
-    } catch (const std::exception& e) {
-      core->loop->log().error("region " + id_hex + ": an event callback threw: " + e.what());
-    }
-  }
+  // Queued first, then pushed: when on_event runs, next_event() returns the event already (a
+  // caller woken by on_event and reading the queue finds it there).
   const bool last = event.type == RegionEvent::Type::ended;
   {
     std::lock_guard lock(mu_);
     if (options.queue_events) {
-      queue_.push_back(std::move(event));
+      queue_.push_back(options.on_event ? event : std::move(event));
       while (queue_.size() > std::max<std::size_t>(options.max_queued_events, 1)) {
         queue_.pop_front();
         ++dropped_;
@@ -220,6 +215,13 @@ void RegionState::emit(RegionEvent event) {
     if (last) ended_ = true;
   }
   cv_.notify_all();
+  if (options.on_event) {
+    try {
+      options.on_event(event);
+    } catch (const std::exception& e) {
+      core->loop->log().error("region " + id_hex + ": an event callback threw: " + e.what());
+    }
+  }
 }
 
 RegionEvent RegionState::about(std::uint64_t att) const {

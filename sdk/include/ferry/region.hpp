@@ -97,7 +97,8 @@ struct RegionEvent {
 };
 
 /// Called on the connector's loop thread, for every event of a region, in order. It must not
-/// block; it may call into the region (revoke, say) and the connector.
+/// block; it may call into the region (revoke, say) and the connector. It runs after the event
+/// is queued (with queue_events on): a thread it wakes finds the event in next_event().
 using RegionCallback = std::function<void(const RegionEvent& event)>;
 
 struct RegionOptions {
