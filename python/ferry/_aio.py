@@ -1,0 +1,99 @@
+"""asyncio without polling: ends of operations come from ferry's loop thread through a queue
+and an eventfd that the asyncio loop watches (one per asyncio loop), never through the GIL on
+ferry's loop thread."""
+
+import asyncio
+import weakref
+
+from . import _ferry
+
+COMPLETE = 3  # OperationStatus.COMPLETE
+
+_hubs = weakref.WeakKeyDictionary()
+
+
+class _Hub:
+    """The futures of one asyncio loop waiting for operations, by key."""
+
+    __slots__ = ("_queue", "_waiting", "_next", "__weakref__")
+
+    def __init__(self, loop):
+        self._queue = _ferry.Completions()
+        self._waiting = {}
+        self._next = 0
+        loop.add_reader(self._queue.fd, self._drain)
+
+    def future(self, loop, op):
+        """A future of `loop` resolved when `op` (a _ferry.Operation) ends: True for complete,
+        the operation's ferry.Error otherwise."""
+        fut = loop.create_future()
+        key = self._next
+        self._next += 1
+        self._waiting[key] = fut
+        fut.add_done_callback(lambda f, key=key: self._forget(key, f))
+        op.watch(self._queue, key)
+        return fut
+
+    def _forget(self, key, fut):
+        if fut.cancelled():
+            self._waiting.pop(key, None)
+
+    def _drain(self):
+        for key, status, error, _ in self._queue.drain():
+            fut = self._waiting.pop(key, None)
+            if fut is None or fut.done():
+                continue  # its awaiter was cancelled: the operation goes on without it
+            if status == COMPLETE:
+                fut.set_result(True)
+            else:
+                fut.set_exception(error)
+
+
+def hub(loop):
+    h = _hubs.get(loop)
+    if h is None:
+        h = _hubs[loop] = _Hub(loop)
+    return h
+
+
+def running_loop():
+    """The running asyncio loop of this thread, or None."""
+    return asyncio._get_running_loop()
+
+
+async def wait_op(loop, op, timeout):
+    """Waits for `op`'s end on `loop` (see Operation.wait_for_completion). A coroutine, as
+    nixl_connect's is, so that asyncio.create_task() takes it."""
+    status = op.status
+    if status >= COMPLETE:  # already ended: no round trip through the queue
+        if status == COMPLETE:
+            return True
+        raise op.error
+    fut = hub(loop).future(loop, op)
+    if timeout is None:
+        return await fut
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        if fut.done():  # the operation's own error (ferry.TimeoutError is a TimeoutError too)
+            return fut.result()
+        fut.cancel()
+        return False
+    except BaseException:
+        fut.cancel()  # the awaiting task was cancelled: forget its entry
+        raise
+
+
+async def wait_notifier(loop, notifier):
+    """Waits until `notifier` (a _ferry.Notifier) is signalled."""
+    fut = loop.create_future()
+
+    def ready():
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(notifier.fd, ready)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(notifier.fd)
