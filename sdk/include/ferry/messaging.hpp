@@ -73,10 +73,10 @@ class Subscription {
   const std::string& subject() const noexcept;
   /// The queue group; empty: none. Any thread.
   const std::string& queue() const noexcept;
-  /// Why the subscription ended other than by unsubscribe(): SideChannel (the server refused
-  /// it or did not confirm it; only a subscription made on the loop thread, which does not
-  /// wait for the server, can end so after the call), Cancelled (the connector was closed).
-  /// Empty while active and after unsubscribe(). Any thread.
+  /// Why the subscription ended, when not by unsubscribe(): SideChannel (cnats refused it or
+  /// the server did not confirm it; only a subscription made on the loop thread, which does
+  /// not wait for the server, can end so after the call), Cancelled (the connector was closed).
+  /// Empty otherwise. Any thread.
   std::optional<Error> error() const;
 
  private:
