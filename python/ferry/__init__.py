@@ -25,10 +25,12 @@ blocking wait) release the GIL. See docs/python.md.
 import enum
 import json as _json
 import operator as _operator
+import time as _time
 
 from . import _ferry
-from ._aio import hub as _hub  # noqa: F401 (tests look at it)
+from ._aio import hub as _hub
 from ._aio import running_loop as _running_loop
+from ._aio import wait_fd as _wait_fd
 from ._aio import wait_notifier as _wait_notifier
 from ._aio import wait_op as _wait_op
 from ._descriptor import Descriptor, Device, DeviceKind, as_descriptors as _as_descriptors
@@ -68,6 +70,7 @@ __all__ = [
     "InvalidMetadataError",
     "InvalidStateError",
     "KindMismatchError",
+    "Message",
     "MethodInfo",
     "NoCommonMethodError",
     "Operation",
@@ -85,6 +88,7 @@ __all__ = [
     "SideChannelError",
     "SizeMismatchError",
     "Subject",
+    "Subscription",
     "TimeoutError",
     "UnsupportedError",
     "WritableOperation",
@@ -587,6 +591,147 @@ def _looks_local(value):
     )
 
 
+def _data(value, what="data"):
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidArgumentError("%s is bytes or str, not %s" % (what, type(value).__name__))
+
+
+class Message:
+    """A NATS message of the worker's own (Connector.subscribe, Connector.request): subject,
+    reply (where an answer goes; "" for none) and data (bytes). respond(data) answers it."""
+
+    __slots__ = ("subject", "reply", "data", "_connector")
+
+    def __init__(self, subject, reply, data, connector=None):
+        self.subject = subject
+        self.reply = reply
+        self.data = data
+        self._connector = connector
+
+    def json(self):
+        """data parsed as JSON."""
+        return _json.loads(self.data)
+
+    def respond(self, data):
+        """Answers this message at its reply subject (Connector.respond)."""
+        if self._connector is None:
+            raise InvalidStateError("this message came with no connector to answer through")
+        self._connector.respond(self, data)
+
+    def __repr__(self):
+        return "Message(subject=%r, reply=%r, data=%r)" % (self.subject, self.reply, self.data[:64])
+
+
+class Subscription:
+    """Messages at a subject (Connector.subscribe): an async iterator (`async for msg in sub`),
+    or next_message(timeout) to take one without asyncio. Messages wait in a queue of at most
+    `max_pending` (the oldest dropped beyond, counted by .dropped). A context manager that
+    unsubscribes; when unsubscribe() returns, no message is queued any more."""
+
+    __slots__ = ("_s", "_connector", "_ready", "__weakref__")
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("subscriptions are made by Connector.subscribe")
+
+    @classmethod
+    def _wrap(cls, s, connector):
+        self = object.__new__(cls)
+        self._s = s
+        self._connector = connector
+        self._ready = []
+        return self
+
+    @property
+    def subject(self):
+        return self._s.subject
+
+    @property
+    def queue(self):
+        return self._s.queue
+
+    @property
+    def active(self):
+        return self._s.active
+
+    @property
+    def error(self):
+        """Why it ended, when not by unsubscribe() (CancelledError at the connector's close)."""
+        return self._s.error
+
+    @property
+    def dropped(self):
+        return self._s.dropped
+
+    def _take(self):
+        if not self._ready:
+            self._ready = [Message(s, r, d, self._connector) for s, r, d in self._s.take(1024)]
+            self._ready.reverse()
+        return self._ready.pop() if self._ready else None
+
+    def next_message(self, timeout=None):
+        """The next message, waiting up to `timeout` seconds (None: no limit) without the
+        GIL held by a poll; None when none came, or the subscription ended."""
+        import select
+
+        deadline = None if timeout is None else _time.monotonic() + _seconds(timeout, "timeout")
+        while True:
+            self._s.clear()
+            msg = self._take()
+            if msg is not None or not self._s.active:
+                return msg
+            left = None if deadline is None else max(0.0, deadline - _time.monotonic())
+            if left == 0.0:
+                return None
+            select.select([self._s.notifier_fd], [], [], left)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        loop = _running_loop()
+        while True:
+            self._s.clear()  # before looking: a message queued after this wakes the wait
+            msg = self._take()
+            if msg is not None:
+                return msg
+            if not self._s.active:
+                raise StopAsyncIteration
+            await _wait_fd(loop, self._s.notifier_fd)
+
+    def unsubscribe(self):
+        """Ends the subscription (GIL released while it waits for ferry's loop). Idempotent."""
+        self._s.unsubscribe()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unsubscribe()
+        return False
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.unsubscribe()
+        return False
+
+
+async def _request_async(loop, connector, subject, data, timeout):
+    hub = _hub(loop)
+    fut, key = hub.slot(loop)
+    try:
+        _ferry.request_async(connector._c, subject, data, timeout, hub.queue, key)
+    except BaseException:
+        fut.cancel()
+        raise
+    s, r, d = await fut
+    return Message(s, r, d, connector)
+
+
 class Connector:
     """One per worker: owns ferry's event loop thread, the transports and the peer connections,
     and creates every operation.
@@ -705,6 +850,36 @@ class Connector:
         if isinstance(remote, Subject):
             return Attachment._wrap(self._c.attach_subject(str(remote), access, t))
         return Attachment._wrap(self._c.attach(remote, access, t))
+
+    # -- messaging on the connector's NATS connection (docs/sidechannel.md, "Messaging") -----
+
+    def subscribe(self, subject, *, queue=None, max_pending=65536):
+        """Subscribes to `subject` (wildcards * and > allowed), in queue group `queue` if given.
+        Returns a Subscription once the server has it (GIL released meanwhile). Subjects in
+        ferry's own namespace are refused (InvalidArgumentError)."""
+        return Subscription._wrap(
+            _ferry.subscribe(self._c, str(subject), queue or "", int(max_pending)), self)
+
+    def publish(self, subject, data, *, reply=None):
+        """Publishes `data` (bytes or str) to `subject`, with `reply` as its reply subject."""
+        _ferry.publish(self._c, str(subject), _data(data), reply or "")
+
+    def respond(self, request, data):
+        """Answers `request` (a Message a subscription got) with `data` at its reply subject."""
+        _ferry.respond(self._c, request.subject, request.reply, _data(data))
+
+    def request(self, subject, data, *, timeout=1.0):
+        """Publishes a request and returns the first reply (a Message). In a coroutine it returns
+        an awaitable (`reply = await connector.request(...)`); outside one it blocks, GIL
+        released. Raises TimeoutError (naming the subject) when no reply came within `timeout`
+        seconds, PeerLostError when nobody subscribes to the subject (no responders)."""
+        data = _data(data)
+        timeout = _seconds(timeout, "timeout")
+        loop = _running_loop()
+        if loop is not None:
+            return _request_async(loop, self, str(subject), data, timeout)
+        s, r, d = _ferry.request_blocking(self._c, str(subject), data, timeout)
+        return Message(s, r, d, self)
 
     # -- the connector -----------------------------------------------------------------------
 

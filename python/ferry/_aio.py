@@ -26,24 +26,36 @@ class _Hub:
     def future(self, loop, op):
         """A future of `loop` resolved when `op` (a _ferry.Operation) ends: True for complete,
         the operation's ferry.Error otherwise."""
+        fut, key = self.slot(loop)
+        op.watch(self._queue, key)
+        return fut
+
+    def slot(self, loop):
+        """A future and the key under which the loop thread will resolve it (through
+        self.queue): an operation's end, or a request's (subject, reply, data)."""
         fut = loop.create_future()
         key = self._next
         self._next += 1
         self._waiting[key] = fut
         fut.add_done_callback(lambda f, key=key: self._forget(key, f))
-        op.watch(self._queue, key)
-        return fut
+        return fut, key
+
+    @property
+    def queue(self):
+        return self._queue
 
     def _forget(self, key, fut):
         if fut.cancelled():
             self._waiting.pop(key, None)
 
     def _drain(self):
-        for key, status, error, _ in self._queue.drain():
+        for key, status, error, message in self._queue.drain():
             fut = self._waiting.pop(key, None)
             if fut is None or fut.done():
                 continue  # its awaiter was cancelled: the operation goes on without it
-            if status == COMPLETE:
+            if message is not None:
+                fut.set_result(message)
+            elif status == COMPLETE:
                 fut.set_result(True)
             else:
                 fut.set_exception(error)
@@ -86,14 +98,19 @@ async def wait_op(loop, op, timeout):
 
 async def wait_notifier(loop, notifier):
     """Waits until `notifier` (a _ferry.Notifier) is signalled."""
+    await wait_fd(loop, notifier.fd)
+
+
+async def wait_fd(loop, fd):
+    """Waits until `fd` (an eventfd the loop thread signals) is readable."""
     fut = loop.create_future()
 
     def ready():
         if not fut.done():
             fut.set_result(None)
 
-    loop.add_reader(notifier.fd, ready)
+    loop.add_reader(fd, ready)
     try:
         await fut
     finally:
-        loop.remove_reader(notifier.fd)
+        loop.remove_reader(fd)

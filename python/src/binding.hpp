@@ -65,10 +65,20 @@ class PyDescriptor {
 /// The descriptors of a Python list of PyDescriptor.
 std::vector<Descriptor> descriptors_of(const py::list& descriptors);
 
+/// The connector a ferry.Connector holds; close() destroys it without the GIL (it waits for the
+/// loop), and every call after that is InvalidState.
+struct PyConnector {
+  std::unique_ptr<Connector> c;
+  ~PyConnector() { close(); }
+  Connector& get();
+  void close();
+};
+
 void bind_values(py::module_& m);       // errors, metadata, stats: values.cpp
 void bind_descriptors(py::module_& m);  // buffers.cpp
 void bind_completions(py::module_& m);  // completions.cpp
 void bind_connector(py::module_& m);    // connector.cpp
+void bind_messaging(py::module_& m);    // messaging.cpp
 
 /// What the Python side drains from a Completions queue: an operation that ended (key, status,
 /// error), a message or a reply (messaging).

@@ -84,8 +84,12 @@ and wakes `fd`, which the asyncio loop watches; drain() takes what arrived.)")
         std::size_t i = 0;
         for (Completions::Entry& e : entries) {
           py::object err = e.error ? error_object(*e.error) : py::none();
-          out[i++] = py::make_tuple(e.key, static_cast<int>(e.status), std::move(err),
-                                    py::bytes(e.payload));
+          py::object msg = py::none();
+          if (e.message) {
+            msg = py::make_tuple(e.message->subject, e.message->reply, py::bytes(e.message->data));
+          }
+          out[i++] =
+              py::make_tuple(e.key, static_cast<int>(e.status), std::move(err), std::move(msg));
         }
         return out;
       });

@@ -30,8 +30,8 @@ class Completions {
     std::uint64_t key = 0;
     OperationStatus status = OperationStatus::complete;
     std::optional<Error> error;
-    /// What else came with it (a message's fields, for messaging); empty for operations.
-    std::string payload;
+    /// The reply to a request (messaging); empty for operations.
+    std::optional<Message> message;
   };
   /// Shared with every callback registered, so that it outlives this handle if need be.
   struct Shared {

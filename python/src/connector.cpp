@@ -10,10 +10,6 @@ namespace ferry::python {
 
 namespace {
 
-Error closed_connector() {
-  return Error(ErrorCode::InvalidState, "the connector is closed (close() was called)");
-}
-
 /// An operation of any kind, with what keeps its memory valid.
 struct PyOp {
   py::object keep;  // declared first: destroyed after `op`
@@ -64,23 +60,6 @@ struct PyAttachment {
   }
 };
 
-struct PyConnector {
-  std::unique_ptr<Connector> c;
-  ~PyConnector() { close(); }
-  Connector& get() {
-    if (!c) throw closed_connector();
-    return *c;
-  }
-  void close() {
-    std::unique_ptr<Connector> gone = std::move(c);
-    if (!gone) return;
-    if (may_release_gil()) {
-      py::gil_scoped_release unlocked;
-      gone.reset();
-    }
-  }
-};
-
 std::vector<std::string> strings(const py::object& list) {
   if (list.is_none()) return {};
   return list.cast<std::vector<std::string>>();
@@ -127,6 +106,20 @@ std::unique_ptr<PyOp> active(Operation op, py::object keep) {
 }
 
 }  // namespace
+
+Connector& PyConnector::get() {
+  if (!c) throw Error(ErrorCode::InvalidState, "the connector is closed (close() was called)");
+  return *c;
+}
+
+void PyConnector::close() {
+  std::unique_ptr<Connector> gone = std::move(c);
+  if (!gone) return;
+  if (may_release_gil()) {
+    py::gil_scoped_release unlocked;
+    gone.reset();
+  }
+}
 
 void bind_connector(py::module_& m) {
   py::class_<PyOp>(m, "Operation", "One operation handle (ferry's operation classes hold one).")

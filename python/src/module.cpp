@@ -8,4 +8,5 @@ PYBIND11_MODULE(_ferry, m) {
   ferry::python::bind_descriptors(m);
   ferry::python::bind_completions(m);
   ferry::python::bind_connector(m);
+  ferry::python::bind_messaging(m);
 }

@@ -338,7 +338,8 @@ def test_the_stubs_name_every_public_name_and_method():
     missing = [name for name in ferry.__all__ if name not in declared]
     assert not missing, "not in __init__.pyi: %s" % missing
     for cls in (ferry.Connector, ferry.Operation, ferry.ReadableOperation, ferry.Region,
-                ferry.Attachment, ferry.Descriptor, ferry.Device):
+                ferry.Attachment, ferry.Descriptor, ferry.Device, ferry.Message,
+                ferry.Subscription):
         public = {n for n in vars(cls) if not n.startswith("_")}
         assert public <= declared[cls.__name__], "%s: not in __init__.pyi: %s" % (
             cls.__name__, sorted(public - declared[cls.__name__]))

@@ -1,0 +1,171 @@
+"""The worker's own NATS messages on the connector's connection: publish, subscribe (queue
+groups, wildcards), request/reply in asyncio and blocking, and how each ends."""
+
+import asyncio
+import itertools
+
+import pytest
+
+import ferry
+
+_n = itertools.count()
+
+
+def subject(stem):
+    return "py.msg.%s.%d" % (stem, next(_n))
+
+
+@pytest.fixture(scope="module")
+def pair(nats):
+    a = ferry.Connector("a", nats=nats.url)
+    b = ferry.Connector("b", nats=nats.url)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_publish_and_subscribe_with_wildcards(pair):
+    a, b = pair
+    base = subject("pubsub")
+    with a.subscribe(base + ".>") as sub:
+        b.publish(base + ".one", b"\x00bytes\xff")
+        b.publish(base + ".two.deep", "text", reply="somewhere.else")
+        first, second = sub.next_message(5), sub.next_message(5)
+        assert (first.subject, first.data) == (base + ".one", b"\x00bytes\xff")
+        assert (second.subject, second.reply, second.data) == (base + ".two.deep", "somewhere.else", b"text")
+        assert sub.next_message(0.05) is None
+
+
+def test_queue_group_members_share_the_messages(pair):
+    a, b = pair
+    s = subject("queue")
+    n = 200
+    with a.subscribe(s, queue="workers") as one, b.subscribe(s, queue="workers") as two:
+        for i in range(n):
+            a.publish(s, str(i))
+        got = []
+        for sub in (one, two):
+            while True:
+                msg = sub.next_message(0.3)
+                if msg is None:
+                    break
+                got.append(int(msg.data))
+        assert sorted(got) == list(range(n))  # each message to exactly one member
+        assert one.queue == "workers"
+
+
+def test_request_reply_in_asyncio_and_blocking(pair):
+    a, b = pair
+    s = subject("service")
+
+    async def main():
+        sub = a.subscribe(s)
+
+        async def serve():
+            async for msg in sub:
+                msg.respond(b"re:" + msg.data)
+
+        server = asyncio.create_task(serve())
+        replies = await asyncio.gather(*(b.request(s, "q%d" % i, timeout=5) for i in range(50)))
+        assert sorted(r.data for r in replies) == sorted(b"re:q%d" % i for i in range(50))
+        server.cancel()
+        return sub
+
+    sub = asyncio.run(main())
+    # Blocking (no running loop): served from a thread here.
+    import threading
+
+    def serve_one():
+        msg = sub.next_message(5)
+        a.respond(msg, msg.json()["x"] * 2 * "y")
+
+    t = threading.Thread(target=serve_one)
+    t.start()
+    assert b.request(s, '{"x": 2}', timeout=5).data == b"yyyy"
+    t.join(5)
+    sub.unsubscribe()
+
+
+def test_request_errors_name_the_subject(pair):
+    _, b = pair
+
+    async def main():
+        with pytest.raises(ferry.PeerLostError, match="no responders"):
+            await b.request(subject("nobody"), "x", timeout=2)
+        s = subject("silent")
+        with b.subscribe(s):  # subscribed, never answers
+            with pytest.raises(ferry.TimeoutError) as info:
+                await b.request(s, "x", timeout=0.2)
+            assert s in str(info.value) and info.value.retryable
+
+    asyncio.run(main())
+    with pytest.raises(ferry.InvalidArgumentError):
+        b.request(subject("x"), "x", timeout=0)
+
+
+def test_unsubscribe_stops_delivery_and_ends_the_iterator(pair):
+    a, b = pair
+    s = subject("unsub")
+    sub = a.subscribe(s)
+
+    async def main():
+        b.publish(s, "before")
+        it = sub.__aiter__()
+        assert (await asyncio.wait_for(it.__anext__(), 5)).data == b"before"
+        sub.unsubscribe()
+        assert not sub.active
+        b.publish(s, "after")
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(it.__anext__(), 5)
+
+    asyncio.run(main())
+    assert sub.next_message(0.1) is None
+
+
+def test_the_queue_is_bounded(pair):
+    a, b = pair
+    s = subject("bounded")
+    with a.subscribe(s, max_pending=10) as sub, a.subscribe(s + ".fence") as fence:
+        for i in range(50):
+            b.publish(s, str(i))
+        b.publish(s + ".fence", "")
+        # One publisher's messages reach a connection in order: once the fence is in, so is
+        # every message before it.
+        assert fence.next_message(5) is not None
+        got = [int(sub.next_message(1).data) for _ in range(10)]
+        assert got == list(range(40, 50)) and sub.dropped == 40
+        assert sub.next_message(0) is None
+
+
+def test_refusals(pair, nats):
+    a, _ = pair
+    with pytest.raises(ferry.InvalidArgumentError):
+        a.publish("ferry.forged", b"x")  # ferry's own namespace
+    with pytest.raises(ferry.InvalidArgumentError):
+        a.subscribe(">")  # would see ferry's own control messages
+    with pytest.raises(ferry.InvalidArgumentError):
+        a.publish("a.*", b"x")
+    with pytest.raises(ferry.InvalidArgumentError):
+        a.publish("fine", 12)
+    with ferry.Connector(nats=False) as lonely:
+        with pytest.raises(ferry.InvalidStateError):
+            lonely.publish("x", b"")
+
+
+def test_closing_the_connector_ends_subscriptions_and_requests(nats):
+    c = ferry.Connector("closing", nats=nats.url)
+    s = subject("closing")
+    sub = c.subscribe(s)
+    silent = c.subscribe(s + ".silent")
+
+    async def main():
+        pending = asyncio.ensure_future(c.request(s + ".silent", "x", timeout=30))
+        await asyncio.sleep(0.1)
+        c.close()
+        with pytest.raises(ferry.CancelledError):
+            await asyncio.wait_for(pending, 5)
+        assert [m async for m in sub] == []  # ended: the iterator stops
+
+    asyncio.run(main())
+    assert not sub.active and isinstance(sub.error, ferry.CancelledError)
+    silent.unsubscribe()
