@@ -272,7 +272,8 @@ class Operation:
         Cancelling the task that awaits leaves the operation running: the handle (or its `with`
         block) decides its life.
         """
-        timeout = _seconds(timeout, "timeout")
+        if timeout is not None:
+            timeout = _seconds(timeout, "timeout")
         loop = _running_loop()
         if loop is not None:
             return _wait_op(loop, self._op, timeout)
@@ -725,10 +726,11 @@ async def _request_async(loop, connector, subject, data, timeout):
     fut, key = hub.slot(loop)
     try:
         _ferry.request_async(connector._c, subject, data, timeout, hub.queue, key)
-    except BaseException:
-        fut.cancel()
-        raise
-    s, r, d = await fut
+        s, r, d = await fut
+    finally:
+        if not fut.done():
+            fut.cancel()
+            hub.forget(key)
     return Message(s, r, d, connector)
 
 
@@ -800,12 +802,13 @@ class Connector:
         """Reads the peer's readable operation into `local`. `remote` is its RdmaMetadata (or
         its JSON), or a ferry.Subject to ask for it there. The two may come in either order.
         Returns a ReadOperation at once (in progress)."""
-        if not _is_remote(remote) and _is_remote(local):
-            remote, local = local, remote
-        remote = _remote(remote, RdmaMetadata)
-        descs = _as_descriptors(local)
+        if type(remote) is not RdmaMetadata:  # the common case first: metadata in hand
+            if not _is_remote(remote) and _is_remote(local):
+                remote, local = local, remote
+            remote = _remote(remote, RdmaMetadata)
+        descs = [local] if type(local) is Descriptor else _as_descriptors(local)
         raw = [d._d for d in descs]
-        t = _seconds(timeout, "timeout")
+        t = None if timeout is None else _seconds(timeout, "timeout")
         if isinstance(remote, Subject):
             op = self._c.begin_read_subject(str(remote), raw, descs, t)
         else:
@@ -815,12 +818,13 @@ class Connector:
     def begin_write(self, local, remote, *, timeout=None):
         """Writes `local` into the peer's writable operation (`remote`: RdmaMetadata, its JSON,
         or a ferry.Subject; either order). Returns a WriteOperation at once."""
-        if not _is_remote(remote) and _is_remote(local):
-            remote, local = local, remote
-        remote = _remote(remote, RdmaMetadata)
-        descs = _as_descriptors(local)
+        if type(remote) is not RdmaMetadata:
+            if not _is_remote(remote) and _is_remote(local):
+                remote, local = local, remote
+            remote = _remote(remote, RdmaMetadata)
+        descs = [local] if type(local) is Descriptor else _as_descriptors(local)
         raw = [d._d for d in descs]
-        t = _seconds(timeout, "timeout")
+        t = None if timeout is None else _seconds(timeout, "timeout")
         if isinstance(remote, Subject):
             op = self._c.begin_write_subject(raw, descs, str(remote), t)
         else:

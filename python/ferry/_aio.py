@@ -23,30 +23,22 @@ class _Hub:
         self._next = 0
         loop.add_reader(self._queue.fd, self._drain)
 
-    def future(self, loop, op):
-        """A future of `loop` resolved when `op` (a _ferry.Operation) ends: True for complete,
-        the operation's ferry.Error otherwise."""
-        fut, key = self.slot(loop)
-        op.watch(self._queue, key)
-        return fut
-
     def slot(self, loop):
         """A future and the key under which the loop thread will resolve it (through
-        self.queue): an operation's end, or a request's (subject, reply, data)."""
+        self.queue): an operation's end, or a request's (subject, reply, data). A caller that
+        stops waiting calls forget(key)."""
         fut = loop.create_future()
         key = self._next
         self._next += 1
         self._waiting[key] = fut
-        fut.add_done_callback(lambda f, key=key: self._forget(key, f))
         return fut, key
+
+    def forget(self, key):
+        self._waiting.pop(key, None)
 
     @property
     def queue(self):
         return self._queue
-
-    def _forget(self, key, fut):
-        if fut.cancelled():
-            self._waiting.pop(key, None)
 
     def _drain(self):
         for key, status, error, message in self._queue.drain():
@@ -61,10 +53,17 @@ class _Hub:
                 fut.set_exception(error)
 
 
+_last = (None, None)  # (loop, hub) of the last call: one loop per thread is the common case
+
+
 def hub(loop):
+    global _last
+    if _last[0] is loop:
+        return _last[1]
     h = _hubs.get(loop)
     if h is None:
         h = _hubs[loop] = _Hub(loop)
+    _last = (loop, h)
     return h
 
 
@@ -81,19 +80,22 @@ async def wait_op(loop, op, timeout):
         if status == COMPLETE:
             return True
         raise op.error
-    fut = hub(loop).future(loop, op)
-    if timeout is None:
-        return await fut
+    h = hub(loop)
+    fut, key = h.slot(loop)
+    op.watch(h.queue, key)
     try:
-        return await asyncio.wait_for(asyncio.shield(fut), timeout)
-    except asyncio.TimeoutError:
-        if fut.done():  # the operation's own error (ferry.TimeoutError is a TimeoutError too)
-            return fut.result()
-        fut.cancel()
-        return False
-    except BaseException:
-        fut.cancel()  # the awaiting task was cancelled: forget its entry
-        raise
+        if timeout is None:
+            return await fut
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            if fut.done():  # the operation's own error (ferry.TimeoutError is a TimeoutError too)
+                return fut.result()
+            return False
+    finally:
+        if not fut.done():  # gave up (timeout, or the awaiting task was cancelled)
+            fut.cancel()
+            h.forget(key)
 
 
 async def wait_notifier(loop, notifier):

@@ -134,13 +134,16 @@ void bind_connector(py::module_& m) {
                                std::optional<Error> e = o.op ? o.op.error() : std::nullopt;
                                return e ? error_object(*e) : py::none();
                              })
-      .def("metadata",
-           [](const PyOp& o) -> const RdmaMetadata& {
-             if (!o.metadata) {
-               throw Error(ErrorCode::InvalidState, "only a passive operation has metadata");
-             }
-             return *o.metadata;
-           })
+      // A view into the handle (kept alive by it), not a copy: metadata() is on the hot path.
+      .def(
+          "metadata",
+          [](const PyOp& o) -> const RdmaMetadata& {
+            if (!o.metadata) {
+              throw Error(ErrorCode::InvalidState, "only a passive operation has metadata");
+            }
+            return *o.metadata;
+          },
+          py::return_value_policy::reference_internal)
       .def(
           "wait",
           [](const PyOp& o, const py::object& timeout) {
