@@ -214,29 +214,29 @@ void DecodeWorker::start() {
 void DecodeWorker::on_blocks(const ferry::Message& m) {
   asked_ = true;
   const std::vector<std::string> w = words(m.data);
-  const auto request = w.size() == 2 ? number(w[0]) : std::nullopt;
-  const auto count = w.size() == 2 ? number(w[1]) : std::nullopt;
+  const std::uint64_t request = w.size() == 2 ? number(w[0]).value_or(0) : 0;
+  const std::uint64_t count = w.size() == 2 ? number(w[1]).value_or(0) : 0;
   std::string answer;
-  if (!request || !count || *count == 0 || *count > kBlocks) {
-    answer = "error expected 'REQUEST COUNT', got '" + m.data.substr(0, 64) + "'";
-  } else if (requests_.count(*request) != 0) {
-    answer = "error request " + std::to_string(*request) + " has blocks already";
+  if (request == 0 || count == 0 || count > kBlocks) {
+    answer = "error expected 'REQUEST COUNT' (both from 1), got '" + m.data.substr(0, 64) + "'";
+  } else if (requests_.count(request) != 0) {
+    answer = "error request " + std::to_string(request) + " has blocks already";
   } else {
     std::vector<std::uint64_t> blocks;
     // Spread out, to show that the writer's blocks need not be adjacent.
-    for (std::uint64_t i = 0; i < kBlocks && blocks.size() < *count; ++i) {
-      const std::uint64_t b = (i * 37 + *request * 11) % kBlocks;
+    for (std::uint64_t i = 0; i < kBlocks && blocks.size() < count; ++i) {
+      const std::uint64_t b = (i * 37 + request * 11) % kBlocks;
       if (!taken_[b]) {
         taken_[b] = true;
         blocks.push_back(b);
       }
     }
-    if (blocks.size() < *count) {
+    if (blocks.size() < count) {
       for (std::uint64_t b : blocks) taken_[b] = false;
-      answer = "error no " + std::to_string(*count) + " free blocks";
+      answer = "error no " + std::to_string(count) + " free blocks";
     } else {
       for (std::uint64_t b : blocks) answer += (answer.empty() ? "" : " ") + std::to_string(b);
-      requests_[*request] = std::move(blocks);
+      requests_[request] = std::move(blocks);
       ++tally_.assigned;
     }
   }

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <stdexcept>
 #include <string>
 
 #include "tests/support/child_process.hpp"
@@ -31,10 +32,20 @@ TEST(SampleEmbeddedNats, EveryRequestIsVerifiedOverTcp) { expect_run_passes("tcp
 TEST(SampleEmbeddedNats, EveryRequestIsVerifiedByTheBestMethod) { expect_run_passes(""); }
 
 TEST(SampleEmbeddedNats, WithoutANatsServerItSaysWhatIsMissing) {
-  test::ChildProcess sample({FERRY_EMBEDDED_NATS_PATH}, {"FERRY_NATS_URL="});
+  // Its stderr into the pipe we read.
+  test::ChildProcess sample({"/bin/sh", "-c", "exec \"$0\" 2>&1", FERRY_EMBEDDED_NATS_PATH},
+                            {"FERRY_NATS_URL="});
+  bool said = false;
+  try {
+    for (int i = 0; i < 10 && !said; ++i)
+      said = sample.read_line(10s).find("no NATS server: set FERRY_NATS_URL") != std::string::npos;
+  } catch (const std::runtime_error&) {
+    // end of its output
+  }
+  EXPECT_TRUE(said);
   const int status = sample.wait(30s);
   ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_NE(WEXITSTATUS(status), 0);
+  EXPECT_EQ(WEXITSTATUS(status), 1);
 }
 
 }  // namespace
