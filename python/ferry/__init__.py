@@ -728,7 +728,7 @@ async def _request_async(loop, connector, subject, data, timeout):
         _ferry.request_async(connector._c, subject, data, timeout, hub.queue, key)
         s, r, d = await fut
     finally:
-        if not fut.done():
+        if fut.cancelled() or not fut.done():
             fut.cancel()
             hub.forget(key)
     return Message(s, r, d, connector)

@@ -93,7 +93,7 @@ async def wait_op(loop, op, timeout):
                 return fut.result()
             return False
     finally:
-        if not fut.done():  # gave up (timeout, or the awaiting task was cancelled)
+        if fut.cancelled() or not fut.done():  # gave up (timeout, or its task was cancelled)
             fut.cancel()
             h.forget(key)
 
