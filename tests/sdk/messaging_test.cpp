@@ -446,6 +446,31 @@ TEST_F(MessagingTest, CallsFromForeignThreads) {
   }
 }
 
+// cnats renews subscriptions after a reconnect: a subscription made before the server went
+// away hears messages published after it is back, and so does a queue group.
+TEST(MessagingRestart, SubscriptionsOutliveAServerRestart) {
+  test::NatsServer server;
+  Connector a(nats_options("a", {server.url()}));
+  Connector b(nats_options("b", {server.url()}));
+  Inbox got;
+  SubscribeOptions group;
+  group.queue = "workers";
+  Subscription sub = b.subscribe("app.after", got.handler(), group);
+  Subscription echo = b.subscribe("app.echo", [&](const Message& m) { b.respond(m, m.data); });
+  server.kill();
+  server.start();
+  // Until both have reconnected, a publish may be lost (a is buffering, b not yet subscribed
+  // again): publish until one arrives.
+  ASSERT_TRUE(test::eventually(
+      [&] {
+        a.publish("app.after", "again");
+        return got.wait_for(1, 50ms);
+      },
+      20s));
+  EXPECT_TRUE(sub.active());
+  EXPECT_EQ(a.request("app.echo", "still here", 5s).data, "still here");
+}
+
 TEST(MessagingPayload, DataBeyondTheServersMaxPayloadIsRefusedNamingBothSizes) {
   test::NatsServer server{test::NatsServer::Options{0, {}, "max_payload: 2048\n"}};
   Connector a(nats_options("a", {server.url()}));
