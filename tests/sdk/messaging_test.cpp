@@ -16,6 +16,7 @@
 
 #include <ferry/ferry.hpp>
 
+#include "sidechannel/subjects.hpp"
 #include "tests/support/nats_server.hpp"
 #include "tests/support/util.hpp"
 
@@ -79,6 +80,28 @@ struct Answer {
     };
   }
 };
+
+TEST(MessagingSubjects, PatternsAndFerrysNamespace) {
+  using sidechannel::pattern_problem;
+  using sidechannel::reaches_namespace;
+  for (const char* ok : {"a", "a.b", "*", ">", "a.*", "a.>", "*.b.>", "a.*.c"})
+    EXPECT_EQ(pattern_problem(ok), std::nullopt) << ok;
+  EXPECT_EQ(pattern_problem(""), "is empty");
+  EXPECT_EQ(pattern_problem("a.>.b"), "has '>' before its last token");
+  EXPECT_EQ(pattern_problem("a.b*"), "has a wildcard inside a token ('b*')");
+  EXPECT_EQ(pattern_problem("a..*"), "has an empty token");
+  EXPECT_EQ(pattern_problem("*.b c"), "contains whitespace or a control character");
+  EXPECT_EQ(pattern_problem(std::string(1025, 'x')), "is longer than 1024 characters");
+
+  for (const char* in : {"ferry.x", "ferry.>", "ferry.*", "*.x", ">", "*.>", "ferry.inbox.a.r1"})
+    EXPECT_TRUE(reaches_namespace(in, "ferry")) << in;
+  for (const char* out : {"ferry", "*", "ferryx.>", "x.ferry.>", "fer.>", "a.b"})
+    EXPECT_FALSE(reaches_namespace(out, "ferry")) << out;
+  EXPECT_TRUE(reaches_namespace("team.*.inbox", "team.ferry"));
+  EXPECT_TRUE(reaches_namespace("team.>", "team.ferry"));
+  EXPECT_FALSE(reaches_namespace("team.other.>", "team.ferry"));
+  EXPECT_FALSE(reaches_namespace("team.*", "team.ferry"));  // no token after the prefix
+}
 
 class MessagingTest : public ::testing::Test {
  protected:
