@@ -67,8 +67,11 @@ void Notifier::notify() noexcept {
 }
 
 void Notifier::clear() noexcept {
-  pending_.store(false, std::memory_order_release);
+  // The fd first: a notify() between the two finds pending_ still set and does not signal, and
+  // its event is in the queue the caller reads next. The other order could drain that notify's
+  // signal and leave pending_ set, so that no later notify() signals again.
   fd_.clear();
+  pending_.store(false, std::memory_order_release);
 }
 
 void bind_completions(py::module_& m) {

@@ -169,3 +169,32 @@ def test_closing_the_connector_ends_subscriptions_and_requests(nats):
     asyncio.run(main())
     assert not sub.active and isinstance(sub.error, ferry.CancelledError)
     silent.unsubscribe()
+
+
+def test_a_fast_stream_never_stalls_the_iterator(pair):
+    """Messages pushed by ferry's loop thread while the iterator clears its wake-up fd: none
+    may be left waiting for a wake-up that never comes (the order inside Notifier.clear())."""
+    a, b = pair
+    s = subject("stream")
+    n = 5000
+
+    async def main():
+        got = 0
+        with a.subscribe(s) as sub:
+            async def produce():
+                for i in range(n):
+                    b.publish(s, b"x")
+                    if i % 7 == 0:
+                        await asyncio.sleep(0)
+
+            producer = asyncio.create_task(produce())
+            async for _ in sub:
+                got += 1
+                if got == n:
+                    break
+                if got % 3 == 0:
+                    await asyncio.sleep(0)
+            await producer
+        return got
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == n

@@ -459,8 +459,12 @@ int run_decode(const Args& args) {
         // The request starts when its KV is in: the region's event for its tag. (Or the
         // prefill worker answered first that it could not.)
         outcome->wait(30s, [](Outcome& x) {
-          return x.event.has_value() ||
-                 (x.answer && x.answer->find("\"ok\":true") == std::string::npos);
+          if (x.event.has_value()) return true;
+          if (!x.answer) return false;
+          // Parsed, not searched: a prefill worker may format its JSON as it likes (the
+          // Python one writes it with spaces by default).
+          json pre = json::parse(*x.answer, nullptr, false);
+          return pre.is_discarded() || !pre.value("ok", false);
         });
         if (outcome->answer) note_answer();
         if (!outcome->event && why.empty())
