@@ -775,6 +775,11 @@ class Connector:
             bool(use_environment),
         )
 
+    async def initialize(self):
+        """Nothing to do (the connector is ready when constructed); here so that code written
+        for nixl_connect's `await connector.initialize()` runs unchanged."""
+        return self
+
     # -- passive operations ------------------------------------------------------------------
 
     def create_readable(self, local, *, subject=None, timeout=None):

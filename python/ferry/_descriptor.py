@@ -16,7 +16,8 @@ class DeviceKind(enum.IntEnum):
 
 class Device:
     """Where memory lives: Device("cpu") / Device("host"), Device("cuda") (device 0) or
-    Device("cuda:N"); also Device(DeviceKind.CUDA, N) and torch.device objects.
+    Device("cuda:N"); also Device(DeviceKind.CUDA, N), nixl_connect's Device((kind, N)) and
+    torch.device objects.
 
     Attributes: kind (DeviceKind), id (the CUDA ordinal; 0 for host memory).
     """
@@ -27,6 +28,8 @@ class Device:
         if isinstance(spec, Device):
             self.kind, self.id = spec.kind, spec.id
             return
+        if isinstance(spec, tuple) and len(spec) == 2 and id is None:  # nixl_connect's (kind, id)
+            spec, id = spec
         if isinstance(spec, DeviceKind) or (isinstance(spec, int) and not isinstance(spec, bool)):
             kind = DeviceKind(spec)
             if kind == DeviceKind.UNSPECIFIED:

@@ -132,6 +132,7 @@ def test_descriptor_keeps_its_object_and_buffer_alive():
 def test_devices():
     assert ferry.Device("cpu") == ferry.Device("host") == ferry.Device(ferry.DeviceKind.HOST)
     assert ferry.Device("cuda").id == 0 and ferry.Device("cuda:3").kind == ferry.DeviceKind.CUDA
+    assert ferry.Device((ferry.DeviceKind.CUDA, 2)) == ferry.Device("cuda:2")
     for bad in ("gpu", "cuda:-1", "cuda:x", 3.0):
         with pytest.raises(ferry.InvalidArgumentError):
             ferry.Device(bad)

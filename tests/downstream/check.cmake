@@ -72,6 +72,24 @@ foreach(tool IN LISTS tools)
     COMMAND "${CMAKE_COMMAND}" -E env --unset=LD_LIBRARY_PATH "${path}" --help TIMEOUT 60)
 endforeach()
 
+# The Python package imports from the prefix, finds the libferry installed there (no
+# LD_LIBRARY_PATH), and moves bytes.
+if(PYTHON AND MODE STREQUAL "find_package")
+  set(pydir "${prefix}/${PYTHON_DIR}")
+  expect_file("${pydir}/ferry/__init__.py")
+  step("import the installed Python package"
+    COMMAND "${CMAKE_COMMAND}" -E env --unset=LD_LIBRARY_PATH "PYTHONPATH=${pydir}"
+            "${PYTHON}" -c "import ferry, sys
+assert ferry.__file__.startswith(sys.argv[1]), ferry.__file__
+a, b = ferry.Connector(nats=False), ferry.Connector(nats=False)
+src, dst = bytes(range(256)) * 16, bytearray(4096)
+with a.create_readable(src) as r:
+    assert b.begin_read(r.metadata(), dst).wait_for_completion(10)
+assert bytes(dst) == src
+print('installed ferry', ferry.__version__, 'from', ferry.__file__)" "${pydir}"
+            TIMEOUT 60)
+endif()
+
 get_filename_component(library_name "${FERRY_LIBRARY}" NAME)
 expect_file("${libdir}/${library_name}")
 expect_file("${includedir}/ferry/ferry.hpp")

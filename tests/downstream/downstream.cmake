@@ -32,6 +32,12 @@ if(FERRY_BUILD_BENCH)
   list(APPEND _ferry_ds_tools ferry-bench)
 endif()
 string(REPLACE ";" "," _ferry_ds_tools "${_ferry_ds_tools}")  # a list through add_test
+# The Python package, when this build makes it (python/ comes after tests/: the option's AUTO
+# is decided before either, in the top-level CMakeLists.txt).
+set(_ferry_ds_python "")
+if(FERRY_PYTHON)
+  set(_ferry_ds_python "${Python3_EXECUTABLE}")
+endif()
 
 foreach(_mode IN ITEMS find_package pkg_config)
   add_test(NAME downstream_${_mode}
@@ -53,6 +59,8 @@ foreach(_mode IN ITEMS find_package pkg_config)
       "-DCXX_FLAGS=${_ferry_ds_flags}"
       "-DPKG_CONFIG=${PKG_CONFIG_EXECUTABLE}"
       "-DTOOLS=${_ferry_ds_tools}"
+      "-DPYTHON=${_ferry_ds_python}"
+      "-DPYTHON_DIR=${FERRY_PYTHON_INSTALL_DIR}"
       -P "${_ferry_ds_dir}/check.cmake")
   set_tests_properties(downstream_${_mode} PROPERTIES
     LABELS install
