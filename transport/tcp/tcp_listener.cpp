@@ -1,8 +1,10 @@
 #include "transport/tcp/tcp_listener.hpp"
 
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -29,6 +31,22 @@ int listen_on(const wire::SocketAddress& bind) {
                 "cannot listen on " + bind.to_string() + ": " + wire::socket_error_text(err));
   }
   return fd;
+}
+
+// Whether every page of [p, p + n) is mapped: mincore() fails with ENOMEM for a range with a
+// hole. Memory the owner freed while exposed would otherwise fail the send itself (EFAULT)
+// half way through a frame, leaving the peer nothing to read but a closed connection.
+bool mapped(const std::byte* p, std::size_t n) {
+  static const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto first = reinterpret_cast<std::uintptr_t>(p) & ~(page - 1);
+  const auto end = reinterpret_cast<std::uintptr_t>(p) + n;
+  unsigned char vec[1024];
+  for (std::uintptr_t at = first; at < end;) {
+    const std::uintptr_t len = std::min<std::uintptr_t>(end - at, page * sizeof vec);
+    if (::mincore(reinterpret_cast<void*>(at), len, vec) != 0 && errno == ENOMEM) return false;
+    at += (len + page - 1) / page * page;
+  }
+  return true;
 }
 
 }  // namespace
@@ -205,6 +223,13 @@ void TcpListener::answer_read(StreamConnection& conn, const FrameHeader& h,
                               const kit::Exposures::Entry& entry, std::byte* ptr) {
   if (const int ordinal = device_of(entry, ptr); ordinal >= 0) {
     serve_read_staged(conn, h, ptr, ordinal);
+    return;
+  }
+  if (!mapped(ptr, h.len)) {
+    const Error gone(ErrorCode::AccessDenied,
+                     "read of " + std::to_string(h.len) +
+                         " bytes: the owner's memory is not mapped (freed while exposed?)");
+    reply(conn, h.req_id, &gone);
     return;
   }
   exposures_.sending(h.op_id);

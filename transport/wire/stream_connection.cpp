@@ -337,7 +337,9 @@ void StreamConnection::flush() {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
       if (quiet_) return;
-      broke_while_sending("send failed: " + socket_error_text(errno));
+      broke_while_sending(
+          "send failed: " + socket_error_text(errno) +
+          (errno == EFAULT ? ": the memory to send is not mapped (freed while exposed?)" : ""));
       return;
     }
     auto left = static_cast<std::uint64_t>(n);
