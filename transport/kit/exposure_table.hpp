@@ -33,6 +33,10 @@ class ExposureTable {
     /// The memory the token grants: the regions merged where they overlap or touch, sorted
     /// by address, disjoint. Requests are checked against these.
     std::vector<Region> spans;
+    /// tcp: whether the host memory of `spans` was found mapped, looked at once, at the first
+    /// read (memory freed while exposed is refused by name instead of failing a send).
+    enum class Mapped : std::uint8_t { unchecked, yes, no };
+    Mapped mapped = Mapped::unchecked;
   };
 
   struct Verdict {

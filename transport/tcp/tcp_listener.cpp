@@ -49,6 +49,31 @@ bool mapped(const std::byte* p, std::size_t n) {
   return true;
 }
 
+// Whether the host memory `entry` grants is mapped, looked at once per exposure, at its first
+// read: one mincore() per span then, none per request after (a region's block lists stay as
+// cheap as they were). Memory freed after that first read fails the send itself, which the
+// owner then reports (EFAULT) and the reader sees as a closed connection.
+bool memory_mapped(kit::Exposures::Entry& entry) {
+  using Mapped = kit::Exposures::Entry::Mapped;
+  if (entry.mapped == Mapped::unchecked) {
+    entry.mapped = Mapped::yes;
+    for (const Region& span : entry.spans) {
+      if (span.kind == MemoryKind::host && !mapped(span.ptr, span.size)) {
+        entry.mapped = Mapped::no;
+        break;
+      }
+    }
+  }
+  return entry.mapped == Mapped::yes;
+}
+
+bool refuse_unmapped(kit::Exposures::Entry& entry, std::uint64_t len, std::string& why) {
+  if (memory_mapped(entry)) return false;
+  why = "read of " + std::to_string(len) +
+        " bytes: the owner's memory is not mapped (freed while exposed?)";
+  return true;
+}
+
 }  // namespace
 
 TcpListener::TcpListener(const Context& ctx, const TcpOptions& options,
@@ -216,6 +241,11 @@ void TcpListener::serve_read(StreamConnection& conn, const FrameHeader& h) {
     return;
   }
   claim(*v.entry, conn);
+  if (std::string why; refuse_unmapped(*v.entry, h.len, why)) {
+    const Error gone(ErrorCode::AccessDenied, why);
+    reply(conn, h.req_id, &gone);
+    return;
+  }
   answer_read(conn, h, *v.entry, v.ptr);
 }
 
@@ -223,13 +253,6 @@ void TcpListener::answer_read(StreamConnection& conn, const FrameHeader& h,
                               const kit::Exposures::Entry& entry, std::byte* ptr) {
   if (const int ordinal = device_of(entry, ptr); ordinal >= 0) {
     serve_read_staged(conn, h, ptr, ordinal);
-    return;
-  }
-  if (!mapped(ptr, h.len)) {
-    const Error gone(ErrorCode::AccessDenied,
-                     "read of " + std::to_string(h.len) +
-                         " bytes: the owner's memory is not mapped (freed while exposed?)");
-    reply(conn, h.req_id, &gone);
     return;
   }
   exposures_.sending(h.op_id);
@@ -284,6 +307,11 @@ void TcpListener::serve_read_ranges(StreamConnection& conn, const FrameHeader& h
     }
     entry = v.entry;
     pieces.push_back({v.ptr, addr, len});
+  }
+  if (std::string why; refuse_unmapped(*entry, total, why)) {
+    const Error gone(ErrorCode::AccessDenied, why);
+    reply(conn, h.req_id, &gone);
+    return;
   }
   claim(*entry, conn);
   for (const Piece& p : pieces) {
