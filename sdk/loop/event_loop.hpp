@@ -92,7 +92,10 @@ class EventLoop {
     if (Hold hold; enter(hold)) return fn();
     auto task = std::make_shared<std::packaged_task<R()>>(std::forward<F>(fn));
     auto result = task->get_future();
-    if (!post([task] { (*task)(); })) throw closed_error();
+    // The posted task is its only owner: a loop that closes and drops it unrun breaks the
+    // promise, and the wait below ends (a copy kept here kept the promise alive, and a call
+    // racing close() waited forever).
+    if (!post([t = std::move(task)] { (*t)(); })) throw closed_error();
     try {
       return result.get();
     } catch (const std::future_error&) {

@@ -39,6 +39,40 @@ TEST(EventLoop, CallRunsOnTheLoopThreadAndReturnsOrRethrows) {
   }
 }
 
+// A call() posted while close() is under way either runs or throws InvalidState: before the
+// fix, a task posted after the loop had taken close's batch was dropped with its promise still
+// held by the caller, who then waited forever (seen from Python: a cancel racing close()).
+TEST(EventLoop, CallsRacingCloseEndInsteadOfHanging) {
+  for (int round = 0; round < 200; ++round) {
+    loop::EventLoop loop;
+    std::atomic<int> ended{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 3; ++t) {
+      threads.emplace_back([&] {
+        for (;;) {
+          try {
+            loop.call([] { return 1; });
+          } catch (const Error& e) {
+            EXPECT_EQ(e.code(), ErrorCode::InvalidState);
+            break;
+          }
+        }
+        ++ended;
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200 + round % 7 * 50));
+    loop.close(nullptr);
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (ended.load() < 3 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(1ms);
+    }
+    // A caller still waiting here hangs for good: fail loudly (terminate on the joinable
+    // threads) rather than hang the suite.
+    ASSERT_EQ(ended.load(), 3) << "a call racing close() never returned, round " << round;
+    for (auto& th : threads) th.join();
+  }
+}
+
 TEST(EventLoop, DeferredTasksRunAfterTheCurrentOneInOrder) {
   loop::EventLoop loop;
   std::vector<int> order;
