@@ -194,7 +194,7 @@ class Operation:
     transport touches its memory; only then are its buffers let go.
     """
 
-    __slots__ = ("_op", "_descriptors", "__weakref__")
+    __slots__ = ("_op", "_descriptors", "_fut", "_fut_loop", "__weakref__")
     _kind = OperationKind.UNSPECIFIED
 
     def __init__(self, *args, **kwargs):
@@ -205,6 +205,7 @@ class Operation:
         self = object.__new__(cls)
         self._op = op
         self._descriptors = descriptors
+        self._fut = self._fut_loop = None  # the asyncio wait shared by this operation's waiters
         return self
 
     @property
@@ -276,7 +277,7 @@ class Operation:
             timeout = _seconds(timeout, "timeout")
         loop = _running_loop()
         if loop is not None:
-            return _wait_op(loop, self._op, timeout)
+            return _wait_op(loop, self, timeout)
         status = self._op.wait(timeout)
         if status == OperationStatus.COMPLETE:
             return True
@@ -286,8 +287,10 @@ class Operation:
 
     def release(self):
         """Cancels the operation unless it ended, waits until no transport touches its memory,
-        and lets go of its buffers; the handle then reports UNINITIALIZED. Idempotent."""
+        and lets go of its buffers; the handle then reports UNINITIALIZED (its id and kind
+        stay). Idempotent."""
         self._op.release()
+        self._descriptors = ()
 
     def __enter__(self):
         return self
@@ -678,6 +681,8 @@ class Subscription:
         import select
 
         deadline = None if timeout is None else _time.monotonic() + _seconds(timeout, "timeout")
+        poller = select.poll()  # not select(): fds above 1023 are fine
+        poller.register(self._s.notifier_fd, select.POLLIN)
         while True:
             self._s.clear()
             msg = self._take()
@@ -686,7 +691,7 @@ class Subscription:
             left = None if deadline is None else max(0.0, deadline - _time.monotonic())
             if left == 0.0:
                 return None
-            select.select([self._s.notifier_fd], [], [], left)
+            poller.poll(None if left is None else left * 1000.0)
 
     def __aiter__(self):
         return self

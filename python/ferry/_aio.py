@@ -72,30 +72,41 @@ def running_loop():
     return asyncio._get_running_loop()
 
 
-async def wait_op(loop, op, timeout):
-    """Waits for `op`'s end on `loop` (see Operation.wait_for_completion). A coroutine, as
-    nixl_connect's is, so that asyncio.create_task() takes it."""
+async def wait_op(loop, wrapper, timeout):
+    """Waits for the end of `wrapper`'s operation on `loop` (see Operation.wait_for_completion).
+    A coroutine, as nixl_connect's is, so that asyncio.create_task() takes it.
+
+    One registration per operation and loop, shared by every waiter: waits that time out leave
+    nothing behind but that one entry, until the operation ends; a wait whose task is cancelled
+    drops it (the C++ callback it registered stays until the operation ends, and finds no one).
+    """
+    op = wrapper._op
     status = op.status
     if status >= COMPLETE:  # already ended: no round trip through the queue
         if status == COMPLETE:
             return True
         raise op.error
     h = hub(loop)
-    fut, key = h.slot(loop)
-    op.watch(h.queue, key)
-    try:
-        if timeout is None:
-            return await fut
+    fut, key = wrapper._fut, wrapper._fut_loop
+    if fut is None or key is None or key[0] is not loop or fut.cancelled():
+        fut, k = h.slot(loop)
+        op.watch(h.queue, k)
+        key = (loop, k)
+        wrapper._fut, wrapper._fut_loop = fut, key
+    if timeout is None:
+        # Awaited directly (the fast path): a cancelled task cancels `fut` too; its entry goes,
+        # and the next wait registers again.
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except asyncio.TimeoutError:
-            if fut.done():  # the operation's own error (ferry.TimeoutError is a TimeoutError too)
-                return fut.result()
-            return False
-    finally:
-        if fut.cancelled() or not fut.done():  # gave up (timeout, or its task was cancelled)
-            fut.cancel()
-            h.forget(key)
+            return await fut
+        finally:
+            if fut.cancelled():
+                h.forget(key[1])
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        if fut.done():  # the operation's own error (ferry.TimeoutError is a TimeoutError too)
+            return fut.result()
+        return False
 
 
 async def wait_notifier(loop, notifier):
@@ -103,16 +114,34 @@ async def wait_notifier(loop, notifier):
     await wait_fd(loop, notifier.fd)
 
 
+_fd_waiters = {}  # (loop, fd) -> futures waiting for that fd: one reader each, shared
+
+
 async def wait_fd(loop, fd):
-    """Waits until `fd` (an eventfd the loop thread signals) is readable."""
+    """Waits until `fd` (an eventfd the loop thread signals) is readable. Any number of tasks may
+    wait for one fd: all wake."""
+    key = (loop, fd)
     fut = loop.create_future()
+    waiters = _fd_waiters.get(key)
+    if waiters is None:
+        waiters = _fd_waiters[key] = []
 
-    def ready():
-        if not fut.done():
-            fut.set_result(None)
+        def ready():
+            woken = _fd_waiters.pop(key, [])
+            loop.remove_reader(fd)
+            for w in woken:
+                if not w.done():
+                    w.set_result(None)
 
-    loop.add_reader(fd, ready)
+        loop.add_reader(fd, ready)
+    waiters.append(fut)
     try:
         await fut
     finally:
-        loop.remove_reader(fd)
+        if fut.cancelled() or not fut.done():
+            left = _fd_waiters.get(key)
+            if left is not None and fut in left:
+                left.remove(fut)
+                if not left:
+                    del _fd_waiters[key]
+                    loop.remove_reader(fd)

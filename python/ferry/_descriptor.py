@@ -31,7 +31,10 @@ class Device:
         if isinstance(spec, tuple) and len(spec) == 2 and id is None:  # nixl_connect's (kind, id)
             spec, id = spec
         if isinstance(spec, DeviceKind) or (isinstance(spec, int) and not isinstance(spec, bool)):
-            kind = DeviceKind(spec)
+            try:
+                kind = DeviceKind(spec)
+            except ValueError:
+                raise InvalidArgumentError("%r is not a DeviceKind" % (spec,)) from None
             if kind == DeviceKind.UNSPECIFIED:
                 raise InvalidArgumentError("a Device is HOST or CUDA, not UNSPECIFIED")
             self.kind = kind
@@ -79,6 +82,12 @@ class Device:
         return hash((int(self.kind), self.id))
 
 
+def _device_like(value):
+    if isinstance(value, (str, Device, DeviceKind)):
+        return True
+    return hasattr(value, "type") and hasattr(value, "index")  # torch.device
+
+
 def _ordinal(n):
     if not isinstance(n, int) or n < 0:
         raise InvalidArgumentError("a CUDA ordinal is an int >= 0, not %r" % (n,))
@@ -116,6 +125,10 @@ class Descriptor:
 
     def __init__(self, data, device=None, *, read_only=False):
         if isinstance(data, Descriptor):
+            if device is not None and Device(device) != data.device:
+                raise InvalidArgumentError(
+                    "the descriptor lives on %s, not on the device given (%s)"
+                    % (data.device, Device(device)))
             self._d = data._d if not read_only or data.read_only else _ferry.Descriptor.from_pointer(
                 data.ptr, data.size, data.device.cuda_ordinal, True, data
             )
@@ -128,13 +141,18 @@ class Descriptor:
                     raise InvalidArgumentError(
                         "a (ptr, size, device) descriptor takes ints, not %r" % (data,)
                     )
-                if ptr < 0 or size < 0:
-                    raise InvalidArgumentError("ptr and size are >= 0, not %r" % (data,))
+                if not (0 <= ptr < 2**64 and 0 <= size < 2**64):
+                    raise InvalidArgumentError(
+                        "ptr and size are 64-bit numbers >= 0, not %r" % (data,))
                 dev = Device(dev)
                 self._d = _ferry.Descriptor.from_pointer(ptr, size, dev.cuda_ordinal, read_only, None)
                 self.device = dev
                 return
             if len(data) == 2:
+                if not _device_like(data[1]):
+                    raise InvalidArgumentError(
+                        "a 2-tuple descriptor is (tensor_or_array, device); pass a list for "
+                        "several descriptors, not %r" % (data,))
                 self.__init__(data[0], data[1], read_only=read_only)
                 return
             raise InvalidArgumentError(

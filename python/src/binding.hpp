@@ -65,12 +65,17 @@ class PyDescriptor {
 /// The descriptors of a Python list of PyDescriptor.
 std::vector<Descriptor> descriptors_of(const py::list& descriptors);
 
-/// The connector a ferry.Connector holds; close() destroys it without the GIL (it waits for the
-/// loop), and every call after that is InvalidState.
+class Notifier;
+
+/// The connector a ferry.Connector holds. Every call holds its own reference for its duration
+/// (get()), so that close() on another thread cannot destroy the connector under a call that
+/// released the GIL; the last reference destroys it (cancelling what is left, waiting for the
+/// loop). close() also wakes the iterators waiting on what the connector made (subscriptions).
 struct PyConnector {
-  std::unique_ptr<Connector> c;
+  std::shared_ptr<Connector> c;
+  std::vector<std::weak_ptr<Notifier>> wake_on_close;
   ~PyConnector() { close(); }
-  Connector& get();
+  std::shared_ptr<Connector> get() const;
   void close();
 };
 

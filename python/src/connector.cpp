@@ -10,23 +10,46 @@ namespace ferry::python {
 
 namespace {
 
-/// An operation of any kind, with what keeps its memory valid.
+/// An operation of any kind, with what keeps its memory valid. A call that releases the GIL
+/// holds its own reference to the C++ handle, so that release() on another thread cannot free it
+/// under the call; release() cancels before it lets go of the buffers.
 struct PyOp {
   py::object keep;  // declared first: destroyed after `op`
-  Operation op;
+  std::shared_ptr<Operation> op;
   std::optional<RdmaMetadata> metadata;  // passive operations
+  std::string id;
+  int kind = 0;
 
   PyOp(Operation o, py::object k, std::optional<RdmaMetadata> md = std::nullopt)
-      : keep(std::move(k)), op(std::move(o)), metadata(std::move(md)) {}
-  ~PyOp() { release(); }
-  // Cancels (when not ended) and drops the C++ handle, without the GIL: it waits for the loop.
-  void release() {
+      : keep(std::move(k)),
+        op(std::make_shared<Operation>(std::move(o))),
+        metadata(std::move(md)),
+        id(op->id()),
+        kind(static_cast<int>(op->kind())) {}
+  ~PyOp() {
+    // Nobody else holds `op` now (a method call holds this object): its destructor cancels
+    // and waits for the loop, without the GIL.
     if (!op) return;
-    Operation gone = std::move(op);
     if (may_release_gil()) {
       py::gil_scoped_release unlocked;
-      gone = Operation();
+      op.reset();
+    } else {
+      op.reset();
     }
+  }
+  std::shared_ptr<Operation> handle() const { return op; }
+  // Cancels (when not ended) without the GIL; then no transport touches the memory, and the
+  // buffers may go even while another thread's call still holds the ended handle.
+  void release() {
+    std::shared_ptr<Operation> held = op;
+    if (!held) return;
+    {
+      py::gil_scoped_release unlocked;
+      held->cancel();
+    }
+    op.reset();
+    keep = py::none();
+    metadata.reset();
   }
 };
 
@@ -107,31 +130,39 @@ std::unique_ptr<PyOp> active(Operation op, py::object keep) {
 
 }  // namespace
 
-Connector& PyConnector::get() {
+std::shared_ptr<Connector> PyConnector::get() const {
   if (!c) throw Error(ErrorCode::InvalidState, "the connector is closed (close() was called)");
-  return *c;
+  return c;
 }
 
 void PyConnector::close() {
-  std::unique_ptr<Connector> gone = std::move(c);
+  std::shared_ptr<Connector> gone = std::move(c);
   if (!gone) return;
   if (may_release_gil()) {
     py::gil_scoped_release unlocked;
     gone.reset();
+  } else {
+    gone.reset();
   }
+  for (const auto& weak : wake_on_close) {
+    if (auto n = weak.lock()) n->notify();
+  }
+  wake_on_close.clear();
 }
 
 void bind_connector(py::module_& m) {
   py::class_<PyOp>(m, "Operation", "One operation handle (ferry's operation classes hold one).")
-      .def_property_readonly("status",
-                             [](const PyOp& o) { return static_cast<int>(o.op.status()); })
-      .def_property_readonly("kind", [](const PyOp& o) { return static_cast<int>(o.op.kind()); })
-      .def_property_readonly("id", [](const PyOp& o) { return o.op.id(); })
-      .def_property_readonly("method", [](const PyOp& o) { return o.op.method(); })
-      .def_property_readonly("peer", [](const PyOp& o) { return o.op.peer(); })
+      .def_property_readonly(
+          "status", [](const PyOp& o) { return o.op ? static_cast<int>(o.op->status()) : 0; })
+      .def_property_readonly("kind", [](const PyOp& o) { return o.kind; })
+      .def_property_readonly("id", [](const PyOp& o) { return o.id; })
+      .def_property_readonly("method",
+                             [](const PyOp& o) { return o.op ? o.op->method() : std::string(); })
+      .def_property_readonly(
+          "peer", [](const PyOp& o) { return o.op ? o.op->peer() : std::optional<PeerIdentity>(); })
       .def_property_readonly("error",
                              [](const PyOp& o) -> py::object {
-                               std::optional<Error> e = o.op ? o.op.error() : std::nullopt;
+                               std::optional<Error> e = o.op ? o.op->error() : std::nullopt;
                                return e ? error_object(*e) : py::none();
                              })
       // A view into the handle (kept alive by it), not a copy: metadata() is on the hot path.
@@ -148,18 +179,24 @@ void bind_connector(py::module_& m) {
           "wait",
           [](const PyOp& o, const py::object& timeout) {
             auto t = to_wait(timeout);
+            std::shared_ptr<Operation> held = o.handle();
+            if (!held) return 0;  // released: uninitialized
             py::gil_scoped_release unlocked;
-            return static_cast<int>(o.op.wait(t));
+            return static_cast<int>(held->wait(t));
           },
           py::arg("timeout") = py::none())
       .def("cancel",
            [](PyOp& o) {
-             if (!o.op) return;
+             std::shared_ptr<Operation> held = o.handle();
+             if (!held) return;
              py::gil_scoped_release unlocked;
-             o.op.cancel();
+             held->cancel();
            })
       .def("release", &PyOp::release)
-      .def("watch", [](PyOp& o, Completions& c, std::uint64_t key) { watch(c, o.op, key); });
+      .def("watch", [](PyOp& o, Completions& c, std::uint64_t key) {
+        if (!o.op) throw Error(ErrorCode::InvalidState, "the operation was released");
+        watch(c, *o.op, key);
+      });
 
   py::class_<PyRegion>(m, "Region", "A region handle (ferry.Region holds one).")
       .def("metadata", [](const PyRegion& r) { return r.region.metadata(); })
@@ -176,11 +213,16 @@ void bind_connector(py::module_& m) {
       .def(
           "next_event",
           [](PyRegion& r, const py::object& timeout) -> py::object {
-            auto t = timeout.is_none() ? std::chrono::nanoseconds::zero() : to_wait(timeout);
+            // None: until an event comes or the region ends (in hour-long waits: the region's
+            // deadline arithmetic takes a finite wait).
+            const bool forever = timeout.is_none();
+            auto t = forever ? std::chrono::nanoseconds(std::chrono::hours(1)) : to_wait(timeout);
             std::optional<RegionEvent> e;
             {
               py::gil_scoped_release unlocked;
-              e = r.region.next_event(t);
+              do {
+                e = r.region.next_event(t);
+              } while (!e && forever && r.region.is_open());
             }
             if (!e) return py::none();
             return event_dict(*e);
@@ -281,7 +323,7 @@ void bind_connector(py::module_& m) {
              }
              auto out = std::make_unique<PyConnector>();
              py::gil_scoped_release unlocked;
-             out->c = std::make_unique<Connector>(std::move(o));
+             out->c = std::make_shared<Connector>(std::move(o));
              return out;
            }),
            py::arg("name"), py::arg("servers"), py::arg("use_nats"), py::arg("default_timeout"),
@@ -290,22 +332,22 @@ void bind_connector(py::module_& m) {
       .def("close", &PyConnector::close)
       .def_property_readonly("closed", [](const PyConnector& c) { return !c.c; })
       .def_property_readonly("has_side_channel",
-                             [](PyConnector& c) { return c.get().has_side_channel(); })
-      .def_property_readonly("identity", [](PyConnector& c) { return c.get().identity(); })
-      .def("endpoints", [](PyConnector& c) { return c.get().endpoints(); })
-      .def("methods", [](PyConnector& c) { return c.get().methods(); })
-      .def("stats_json", [](PyConnector& c) { return c.get().stats().to_json(); })
-      .def("stats_text", [](PyConnector& c) { return c.get().stats().to_text(); })
+                             [](PyConnector& c) { return c.get()->has_side_channel(); })
+      .def_property_readonly("identity", [](PyConnector& c) { return c.get()->identity(); })
+      .def("endpoints", [](PyConnector& c) { return c.get()->endpoints(); })
+      .def("methods", [](PyConnector& c) { return c.get()->methods(); })
+      .def("stats_json", [](PyConnector& c) { return c.get()->stats().to_json(); })
+      .def("stats_text", [](PyConnector& c) { return c.get()->stats().to_text(); })
       .def("create_readable",
            [](PyConnector& c, const py::list& descs, py::object keep, const py::object& timeout,
               const std::string& subject) {
-             Connector& conn = c.get();
+             std::shared_ptr<Connector> conn = c.get();
              OperationOptions o{to_ms(timeout, "timeout"), subject};
              std::vector<Descriptor> d = descriptors_of(descs);
              ReadableOperation op;
              {
                py::gil_scoped_release unlocked;
-               op = conn.create_readable(std::move(d), std::move(o));
+               op = conn->create_readable(std::move(d), std::move(o));
              }
              RdmaMetadata md = op.metadata();
              return std::make_unique<PyOp>(std::move(op), std::move(keep), std::move(md));
@@ -313,13 +355,13 @@ void bind_connector(py::module_& m) {
       .def("create_writable",
            [](PyConnector& c, const py::list& descs, py::object keep, const py::object& timeout,
               const std::string& subject) {
-             Connector& conn = c.get();
+             std::shared_ptr<Connector> conn = c.get();
              OperationOptions o{to_ms(timeout, "timeout"), subject};
              std::vector<Descriptor> d = descriptors_of(descs);
              WritableOperation op;
              {
                py::gil_scoped_release unlocked;
-               op = conn.create_writable(std::move(d), std::move(o));
+               op = conn->create_writable(std::move(d), std::move(o));
              }
              RdmaMetadata md = op.metadata();
              return std::make_unique<PyOp>(std::move(op), std::move(keep), std::move(md));
@@ -328,14 +370,14 @@ void bind_connector(py::module_& m) {
            [](PyConnector& c, const RdmaMetadata& remote, const py::list& descs, py::object keep,
               const py::object& timeout) {
              OperationOptions o{to_ms(timeout, "timeout"), {}};
-             return active(c.get().begin_read(remote, descriptors_of(descs), std::move(o)),
+             return active(c.get()->begin_read(remote, descriptors_of(descs), std::move(o)),
                            std::move(keep));
            })
       .def("begin_write",
            [](PyConnector& c, const py::list& descs, py::object keep, const RdmaMetadata& remote,
               const py::object& timeout) {
              OperationOptions o{to_ms(timeout, "timeout"), {}};
-             return active(c.get().begin_write(descriptors_of(descs), remote, std::move(o)),
+             return active(c.get()->begin_write(descriptors_of(descs), remote, std::move(o)),
                            std::move(keep));
            })
       .def("begin_read_subject",
@@ -343,7 +385,7 @@ void bind_connector(py::module_& m) {
               const py::object& timeout) {
              OperationOptions o{to_ms(timeout, "timeout"), {}};
              return active(
-                 c.get().begin_read(Subject(subject), descriptors_of(descs), std::move(o)),
+                 c.get()->begin_read(Subject(subject), descriptors_of(descs), std::move(o)),
                  std::move(keep));
            })
       .def("begin_write_subject",
@@ -351,14 +393,14 @@ void bind_connector(py::module_& m) {
               const py::object& timeout) {
              OperationOptions o{to_ms(timeout, "timeout"), {}};
              return active(
-                 c.get().begin_write(descriptors_of(descs), Subject(subject), std::move(o)),
+                 c.get()->begin_write(descriptors_of(descs), Subject(subject), std::move(o)),
                  std::move(keep));
            })
       .def("create_region",
            [](PyConnector& c, const py::list& descs, py::object keep, const std::string& access,
               std::uint64_t block_size, const std::string& subject, const py::object& timeout,
               std::size_t max_queued_events) {
-             Connector& conn = c.get();
+             std::shared_ptr<Connector> conn = c.get();
              auto notifier = std::make_shared<Notifier>();
              RegionOptions o;
              o.access = access_of(access);
@@ -372,7 +414,7 @@ void bind_connector(py::module_& m) {
              out->keep = std::move(keep);
              out->notifier = notifier;
              py::gil_scoped_release unlocked;
-             out->region = conn.create_region(std::move(d), std::move(o));
+             out->region = conn->create_region(std::move(d), std::move(o));
              return out;
            })
       .def("attach",
@@ -382,7 +424,7 @@ void bind_connector(py::module_& m) {
              if (!access.is_none()) o.access = access_of(access.cast<std::string>());
              o.timeout = to_ms(timeout, "timeout");
              auto out = std::make_unique<PyAttachment>();
-             out->attachment = c.get().attach(remote, o);
+             out->attachment = c.get()->attach(remote, o);
              return out;
            })
       .def("attach_subject", [](PyConnector& c, const std::string& subject,
@@ -391,7 +433,7 @@ void bind_connector(py::module_& m) {
         if (!access.is_none()) o.access = access_of(access.cast<std::string>());
         o.timeout = to_ms(timeout, "timeout");
         auto out = std::make_unique<PyAttachment>();
-        out->attachment = c.get().attach(Subject(subject), o);
+        out->attachment = c.get()->attach(Subject(subject), o);
         return out;
       });
 }

@@ -3,6 +3,7 @@
 // eventfd, and requests whose replies arrive in an asyncio loop's Completions queue.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <deque>
 
 #include "completions.hpp"
@@ -17,7 +18,7 @@ struct Inbox {
   std::deque<Message> messages;
   std::size_t max_pending = 65536;
   std::uint64_t dropped = 0;
-  Notifier notifier;
+  std::shared_ptr<Notifier> notifier = std::make_shared<Notifier>();
 
   void push(const Message& m) {
     {
@@ -28,7 +29,7 @@ struct Inbox {
         ++dropped;
       }
     }
-    notifier.notify();
+    notifier->notify();
   }
 };
 
@@ -44,6 +45,7 @@ struct PySubscription {
     } else {
       sub.unsubscribe();
     }
+    inbox->notifier->notify();  // a waiting iterator sees the end
   }
 };
 
@@ -73,8 +75,8 @@ void bind_messaging(py::module_& m) {
                                return e ? error_object(*e) : py::none();
                              })
       .def_property_readonly("notifier_fd",
-                             [](const PySubscription& s) { return s.inbox->notifier.fd(); })
-      .def("clear", [](PySubscription& s) { s.inbox->notifier.clear(); })
+                             [](const PySubscription& s) { return s.inbox->notifier->fd(); })
+      .def("clear", [](PySubscription& s) { s.inbox->notifier->clear(); })
       .def_property_readonly("dropped",
                              [](const PySubscription& s) {
                                std::lock_guard lock(s.inbox->mu);
@@ -98,58 +100,64 @@ void bind_messaging(py::module_& m) {
 
   m.def("subscribe",
         [](PyConnector& c, std::string subject, const std::string& queue, std::size_t max_pending) {
-          Connector& conn = c.get();
+          std::shared_ptr<Connector> conn = c.get();
           auto out = std::make_unique<PySubscription>();
           out->inbox = std::make_shared<Inbox>();
           out->inbox->max_pending = max_pending;
           std::shared_ptr<Inbox> inbox = out->inbox;
+          auto& hooks = c.wake_on_close;  // close() wakes a waiting iterator
+          hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                                     [](const std::weak_ptr<Notifier>& w) { return w.expired(); }),
+                      hooks.end());
+          hooks.push_back(inbox->notifier);
           SubscribeOptions o{queue};
           py::gil_scoped_release unlocked;
-          out->sub = conn.subscribe(
+          out->sub = conn->subscribe(
               std::move(subject), [inbox](const Message& msg) { inbox->push(msg); }, std::move(o));
           return out;
         });
   m.def("publish", [](PyConnector& c, std::string_view subject, std::string_view data,
                       std::string_view reply) {
-    Connector& conn = c.get();
+    std::shared_ptr<Connector> conn = c.get();
     py::gil_scoped_release unlocked;
-    conn.publish(subject, data, reply);
+    conn->publish(subject, data, reply);
   });
   m.def("respond",
         [](PyConnector& c, std::string subject, std::string reply, std::string_view data) {
-          Connector& conn = c.get();
+          std::shared_ptr<Connector> conn = c.get();
           Message request{std::move(subject), std::move(reply), {}};
           py::gil_scoped_release unlocked;
-          conn.respond(request, data);
+          conn->respond(request, data);
         });
   m.def("request_blocking",
         [](PyConnector& c, std::string subject, std::string data, const py::object& timeout) {
-          Connector& conn = c.get();
+          std::shared_ptr<Connector> conn = c.get();
           auto t = request_timeout(timeout);
           Message reply;
           {
             py::gil_scoped_release unlocked;
-            reply = conn.request(std::move(subject), std::move(data), t);
+            reply = conn->request(std::move(subject), std::move(data), t);
           }
           return as_tuple(reply);
         });
   m.def("request_async", [](PyConnector& c, std::string subject, std::string data,
                             const py::object& timeout, Completions& queue, std::uint64_t key) {
-    Connector& conn = c.get();
+    std::shared_ptr<Connector> conn = c.get();
     auto t = request_timeout(timeout);
     std::shared_ptr<Completions::Shared> shared = queue.shared();
-    conn.request(std::move(subject), std::move(data), t,
-                 [shared, key](const Message* reply, const Error* error) {
-                   Completions::Entry e;
-                   e.key = key;
-                   if (reply != nullptr) {
-                     e.message = *reply;
-                   } else {
-                     e.status = OperationStatus::errored;
-                     if (error != nullptr) e.error = *error;
-                   }
-                   shared->push(std::move(e));
-                 });
+    py::gil_scoped_release unlocked;  // it waits for the loop
+    conn->request(std::move(subject), std::move(data), t,
+                  [shared, key](const Message* reply, const Error* error) {
+                    Completions::Entry e;
+                    e.key = key;
+                    if (reply != nullptr) {
+                      e.message = *reply;
+                    } else {
+                      e.status = OperationStatus::errored;
+                      if (error != nullptr) e.error = *error;
+                    }
+                    shared->push(std::move(e));
+                  });
   });
 }
 

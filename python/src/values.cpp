@@ -103,7 +103,9 @@ void bind_values(py::module_& m) {
       .def_readonly("id", &PeerIdentity::id)
       .def_readonly("host", &PeerIdentity::host)
       .def_readonly("pid", &PeerIdentity::pid)
-      .def("__eq__", [](const PeerIdentity& a, const PeerIdentity& b) { return a == b; })
+      .def(
+          "__eq__", [](const PeerIdentity& a, const PeerIdentity& b) { return a == b; },
+          py::is_operator())
       .def("__repr__", [](const PeerIdentity& p) {
         return "PeerIdentity(name='" + p.name + "', id='" + p.id + "', host='" + p.host +
                "', pid=" + std::to_string(p.pid) + ")";
@@ -144,7 +146,9 @@ strictly and raises ferry.InvalidMetadataError whose `field` names the first off
       .def_readonly("descriptors", &RdmaMetadata::descriptors)
       .def_readonly("token", &RdmaMetadata::token)
       .def_property_readonly("total_size", &RdmaMetadata::total_size)
-      .def("__eq__", [](const RdmaMetadata& a, const RdmaMetadata& b) { return a == b; });
+      .def(
+          "__eq__", [](const RdmaMetadata& a, const RdmaMetadata& b) { return a == b; },
+          py::is_operator());
 
   py::class_<RegionMetadata>(m, "RegionMetadata", R"(What a peer needs to attach to a region.
 
@@ -164,7 +168,9 @@ A credential, as RdmaMetadata is; JSON in and out the same way ("kind": "ferry.r
       .def_readonly("block_size", &RegionMetadata::block_size)
       .def_property_readonly("total_size", &RegionMetadata::total_size)
       .def_property_readonly("block_count", &RegionMetadata::block_count)
-      .def("__eq__", [](const RegionMetadata& a, const RegionMetadata& b) { return a == b; });
+      .def(
+          "__eq__", [](const RegionMetadata& a, const RegionMetadata& b) { return a == b; },
+          py::is_operator());
 
   py::class_<MethodInfo>(m, "MethodInfo",
                          "A transfer method of this build, and whether it is offered.")

@@ -229,3 +229,21 @@ def test_one_connector_serves_two_event_loops(pair):
     for t in threads:
         t.join(30)
     assert results == [True, True]
+
+
+def test_waits_that_time_out_register_once(pair):
+    a, _ = pair
+
+    async def main():
+        r = a.create_readable(bytearray(64))
+        for _ in range(1000):
+            assert await r.wait_for_completion(timeout=0) is False
+        waiting = ferry._hub(asyncio.get_running_loop())._waiting
+        assert len(waiting) == 1  # one registration for the operation, not one per wait
+        r.cancel()
+        with pytest.raises(ferry.CancelledError):
+            await r.wait_for_completion()
+        await asyncio.sleep(0.05)
+        assert not waiting
+
+    asyncio.run(main())

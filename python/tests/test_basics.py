@@ -344,3 +344,66 @@ def test_the_stubs_name_every_public_name_and_method():
         public = {n for n in vars(cls) if not n.startswith("_")}
         assert public <= declared[cls.__name__], "%s: not in __init__.pyi: %s" % (
             cls.__name__, sorted(public - declared[cls.__name__]))
+
+
+# -- found by review ----------------------------------------------------------------------------
+
+
+def test_close_racing_calls_on_other_threads_ends_them_all():
+    import threading
+
+    for _ in range(5):
+        c = ferry.Connector(nats=False)
+        ended = []
+
+        def worker():
+            try:
+                while True:
+                    c.create_readable(bytearray(64)).release()
+            except ferry.InvalidStateError:
+                ended.append(True)
+
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(3)]
+        for t in threads:
+            t.start()
+        import time
+
+        time.sleep(0.02)
+        c.close()
+        for t in threads:
+            t.join(10)
+        assert len(ended) == 3, "a call racing close() did not end"
+
+
+def test_release_lets_go_of_the_buffers_and_keeps_id_and_kind(pair):
+    a, _ = pair
+    buf = bytearray(64)
+    r = a.create_readable(buf)
+    op_id = r.id
+    r.release()
+    buf.extend(b"x")  # no longer exported
+    assert r.status == ferry.OperationStatus.UNINITIALIZED
+    assert r.wait(0) == ferry.OperationStatus.UNINITIALIZED  # wait() never raises
+    assert r.id == op_id and r.kind == ferry.OperationKind.READ and op_id in repr(r)
+    r.release()  # idempotent
+
+
+def test_descriptor_forms_that_are_mistakes_are_refused():
+    d1, d2 = ferry.Descriptor(bytearray(16)), ferry.Descriptor(bytearray(32))
+    with pytest.raises(ferry.InvalidArgumentError, match="pass a list"):
+        ferry.Descriptor((d1, d2))
+    with pytest.raises(ferry.InvalidArgumentError, match="lives on host"):
+        ferry.Descriptor(d1, "cuda:0")
+    with pytest.raises(ferry.InvalidArgumentError):
+        ferry.Descriptor((d1.ptr, 16))
+    with pytest.raises(ferry.InvalidArgumentError):
+        ferry.Descriptor((2**64, 16, "cpu"))
+    with pytest.raises(ferry.InvalidArgumentError):
+        ferry.Device(7)
+
+
+def test_metadata_compares_with_anything(pair):
+    a, _ = pair
+    with a.create_readable(bytearray(8)) as r:
+        md = r.metadata()
+        assert md != None and md != "x" and md in [None, md]  # noqa: E711

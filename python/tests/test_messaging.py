@@ -198,3 +198,62 @@ def test_a_fast_stream_never_stalls_the_iterator(pair):
         return got
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == n
+
+
+def test_a_waiting_iterator_ends_on_unsubscribe_and_on_close(nats):
+    import threading
+
+    c = ferry.Connector("ending", nats=nats.url)
+
+    async def main():
+        sub = c.subscribe(subject("end-unsub"))
+        task = asyncio.create_task(asyncio.wait_for(sub.__anext__(), 10))
+        await asyncio.sleep(0.1)  # the iterator is waiting
+        sub.unsubscribe()
+        with pytest.raises(StopAsyncIteration):
+            await task
+        sub2 = c.subscribe(subject("end-close"))
+        task2 = asyncio.create_task(asyncio.wait_for(sub2.__anext__(), 10))
+        await asyncio.sleep(0.1)
+        c.close()
+        with pytest.raises(StopAsyncIteration):
+            await task2
+
+    asyncio.run(main())
+    with ferry.Connector("ending-2", nats=nats.url) as d:
+        sub = d.subscribe(subject("end-blocking"))
+        got = []
+        t = threading.Thread(target=lambda: got.append(sub.next_message(10)))
+        t.start()
+        import time
+
+        time.sleep(0.1)
+        sub.unsubscribe()
+        t.join(5)
+        assert got == [None] and not t.is_alive()
+
+
+def test_two_tasks_on_one_subscription_both_get_messages(pair):
+    a, b = pair
+    s = subject("two-readers")
+
+    async def main():
+        counts = [0, 0]
+        with a.subscribe(s) as sub:
+            async def reader(i, delay):
+                async for _ in sub:
+                    counts[i] += 1
+                    await asyncio.sleep(delay)
+
+            tasks = [asyncio.create_task(reader(0, 0)), asyncio.create_task(reader(1, 0.05))]
+            await asyncio.sleep(0.05)
+            for _ in range(20):
+                b.publish(s, "x")
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            for t in tasks:
+                t.cancel()
+        return counts
+
+    counts = asyncio.run(main())
+    assert sum(counts) == 20 and counts[0] > 0, counts

@@ -128,3 +128,18 @@ def test_region_refusals(pair):
         a.create_region(bytearray(8), access="everything")
     with pytest.raises(ferry.InvalidMetadataError):
         a.attach('{"kind": "ferry.region"}')
+
+
+def test_next_event_none_waits_for_the_event(pair):
+    import threading
+    import time
+
+    a, b = pair
+    with a.create_region(bytearray(BLOCK), block_size=BLOCK) as region:
+        md = region.metadata()
+        t = threading.Timer(0.3, lambda: b.attach(md).wait_attached())
+        t.start()
+        t0 = time.monotonic()
+        event = region.next_event(None)
+        t.join()
+        assert event is not None and event.type == "attached" and time.monotonic() - t0 >= 0.2
