@@ -49,10 +49,9 @@ class Error(Exception):
         self.retryable = (
             _ferry.is_retryable(int(self.code)) if retryable is None else bool(retryable)
         )
-        if what is None:
-            what = "%s: %s" % (_ferry.error_code_name(int(self.code)), message)
-            if field:
-                what += " (field %s)" % field
+        if what is None:  # as C++'s what(): "<Code>: [<field>: ]<message>"
+            what = "%s: %s%s" % (_ferry.error_code_name(int(self.code)),
+                                 field + ": " if field else "", message)
         self._what = what
         super().__init__(what)
 

@@ -162,6 +162,8 @@ def test_errors_keep_field_and_an_overridden_retryable_and_pickle():
     with pytest.raises(ferry.InvalidMetadataError) as info:
         ferry.RdmaMetadata.from_json('{"version": 1}')
     assert info.value.field
+    assert str(ferry.InvalidMetadataError("bad", field="descriptors[0].size")) == (
+        "InvalidMetadata: descriptors[0].size: bad")  # as C++'s what()
     again = pickle.loads(pickle.dumps(info.value))
     assert type(again) is ferry.InvalidMetadataError and str(again) == str(info.value)
     assert again.field == info.value.field
