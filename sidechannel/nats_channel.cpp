@@ -14,120 +14,12 @@
 #include "loop/ids.hpp"
 #include "sidechannel/inbox.hpp"
 #include "sidechannel/nats_adapter.hpp"
+#include "sidechannel/nats_channel_state.hpp"
 #include "sidechannel/nats_connect.hpp"
 #include "sidechannel/outbox.hpp"
 #include "sidechannel/subjects.hpp"
 
 namespace ferry::sidechannel {
-
-std::optional<std::string> subject_problem(std::string_view subject) {
-  if (subject.empty()) return "is empty";
-  if (subject.size() > 1024) return "is longer than 1024 characters";
-  std::size_t start = 0;
-  for (;;) {
-    std::size_t dot = subject.find('.', start);
-    std::string_view token =
-        subject.substr(start, dot == std::string_view::npos ? std::string_view::npos : dot - start);
-    if (token.empty()) return "has an empty token";
-    if (token.find_first_of("*>") != std::string_view::npos) return "contains a wildcard";
-    for (char c : token)
-      if (static_cast<unsigned char>(c) <= ' ' || c == 0x7f)
-        return "contains whitespace or a control character";
-    if (dot == std::string_view::npos) break;
-    start = dot + 1;
-  }
-  return std::nullopt;
-}
-
-bool is_reply_inbox(std::string_view prefix, std::string_view subject) {
-  // "<prefix>.inbox.<16 hex>.r<1..16 hex>", exactly as request() writes it.
-  constexpr std::string_view kInbox = ".inbox.";
-  if (subject.size() <= prefix.size() + kInbox.size() ||
-      subject.substr(0, prefix.size()) != prefix ||
-      subject.substr(prefix.size(), kInbox.size()) != kInbox)
-    return false;
-  std::string_view rest = subject.substr(prefix.size() + kInbox.size());
-  if (rest.size() < 16 + 3 || rest.size() > 16 + 2 + 16) return false;
-  std::string_view id = rest.substr(0, 16);
-  std::string_view n = rest.substr(18);
-  return loop::is_lower_hex(id) && rest[16] == '.' && rest[17] == 'r' && loop::is_lower_hex(n) &&
-         n[0] != '0';
-}
-
-// Loop-side state. Shared with cnats callbacks through weak references, so that a message
-// that arrives while the channel closes finds nothing instead of a dangling pointer.
-struct NatsChannel::State {
-  using Clock = Inbox::Clock;
-
-  State(EventLoop& loop, const NatsOptions& o, const std::string& client_id)
-      : poster(loop.poster()),
-        prefix(o.prefix.empty() ? "ferry" : o.prefix),
-        inbox(prefix + ".inbox." + client_id, kMaxOpenRequests, loop.log()),
-        on_event(o.on_event),
-        request_timeout(o.request_timeout) {
-    if (auto why = subject_problem(inbox.subject()))
-      throw Error(ErrorCode::InvalidArgument, "NATS prefix '" + prefix + "' " + *why);
-  }
-
-  EventLoop::Poster poster;
-  std::string prefix;
-  // Loop thread only, as everything below but max_payload.
-  Inbox inbox;  // "<prefix>.inbox.<client id>": open requests, awaited confirmations
-  std::function<void(SideChannelEvent, const std::string&)> on_event;
-  std::chrono::milliseconds request_timeout{1000};
-  NatsChannel* owner = nullptr;  // null once the channel is closing
-  std::unordered_map<std::uint64_t, MessageHandler> subs;
-  std::uint64_t next_sub = 1;
-  // As the connection's events tell (loop side).
-  bool connected = true;
-
-  // Written by cnats' callback thread, read by the loop.
-  std::atomic<std::int64_t> max_payload{0};
-
-  void deliver(std::uint64_t sub, const Message& m) {
-    auto it = subs.find(sub);
-    if (it == subs.end()) return;
-    // Copy: the handler may unsubscribe itself.
-    MessageHandler handler = it->second;
-    handler(m);
-  }
-  void on_connection_event(SideChannelEvent event, const std::string& detail,
-                           std::int64_t new_max_payload) {
-    switch (event) {
-      case SideChannelEvent::disconnected:
-        connected = false;
-        break;
-      case SideChannelEvent::reconnected:
-        connected = true;
-        if (new_max_payload > 0) max_payload = new_max_payload;
-        if (owner != nullptr) owner->reconfirm();
-        break;
-      case SideChannelEvent::closed:
-        // cnats gave up (or was told to close): nothing pending will ever be confirmed.
-        connected = false;
-        if (owner != nullptr) owner->fail_confirms("the NATS connection is closed");
-        break;
-      case SideChannelEvent::error:
-        break;
-    }
-    if (on_event) on_event(event, detail);
-  }
-  // The channel is closing: handlers die first, so that messages still arriving find
-  // nothing.
-  void forget() noexcept {
-    owner = nullptr;
-    subs.clear();
-    inbox.clear();
-  }
-};
-
-// cnats' connection, set by the constructor, and the subscriptions made on it, which belong to
-// the outbox's thread.
-struct NatsChannel::Wire {
-  natsConnection* nc = nullptr;
-  std::unordered_map<std::uint64_t, natsSubscription*> subs;
-  std::vector<natsSubscription*> draining;
-};
 
 namespace {
 
@@ -202,41 +94,6 @@ void on_sub_complete(void* closure) {
   delete c;
 }
 
-// What cnats' connection events call back with. Freed by the closed event, the last one
-// cnats delivers for a connection (or by the constructor when the connect fails).
-struct EventClosure {
-  std::weak_ptr<NatsChannel::State> state;
-  EventLoop::Poster poster;
-};
-
-void post_event(natsConnection* nc, void* closure, SideChannelEvent event, std::string detail) {
-  auto* c = static_cast<EventClosure*>(closure);
-  std::int64_t max_payload = nc != nullptr ? natsConnection_GetMaxPayload(nc) : 0;
-  c->poster.post([state = c->state, event, detail = std::move(detail), max_payload] {
-    if (auto s = state.lock()) s->on_connection_event(event, detail, max_payload);
-  });
-}
-
-std::string current_url(natsConnection* nc) {
-  char buf[512] = {};
-  if (natsConnection_GetConnectedUrl(nc, buf, sizeof buf) == NATS_OK) return buf;
-  return "the NATS server";
-}
-
-void on_disconnected(natsConnection* nc, void* closure) {
-  post_event(nc, closure, SideChannelEvent::disconnected, "lost the connection to NATS");
-}
-void on_reconnected(natsConnection* nc, void* closure) {
-  post_event(nc, closure, SideChannelEvent::reconnected, current_url(nc));
-}
-void on_closed(natsConnection*, void* closure) {
-  post_event(nullptr, closure, SideChannelEvent::closed, "the NATS connection is closed");
-  delete static_cast<EventClosure*>(closure);
-}
-void on_error(natsConnection*, natsSubscription*, natsStatus err, void* closure) {
-  post_event(nullptr, closure, SideChannelEvent::error, natsStatus_GetText(err));
-}
-
 }  // namespace
 
 NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string client_id)
@@ -246,29 +103,17 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
       driver_(std::make_unique<NatsSocketDriver>(loop.uv(), loop.log())),
       outbox_(std::make_unique<Outbox>()),
       wire_(std::make_unique<Wire>()) {
+  state_->board = status_;
   connect(o);
   make_handles();
-  learn_connection();
+  learn_connection(o);
   state_->owner = this;
   // Answers to this connector's requests and confirmations arrive at "<inbox>.*".
   inbox_sub_ = subscribe(state_->inbox.subject() + ".*", {}, nullptr);
-}
-
-void NatsChannel::connect(const NatsOptions& o) {
-  NatsOptionsPtr opts = nats_options(o);
-  // The socket is polled by the loop through ferry's driver (see nats_adapter.hpp). The
-  // connect below attaches it from here, the loop thread, so it is polled at once.
-  if (natsStatus s = driver_->install(opts.get()); s != NATS_OK)
-    throw Error(ErrorCode::SideChannel, "event loop: " + status_text(s));
-  auto events = std::make_unique<EventClosure>(EventClosure{state_, loop_.poster()});
-  natsOptions_SetDisconnectedCB(opts.get(), on_disconnected, events.get());
-  natsOptions_SetReconnectedCB(opts.get(), on_reconnected, events.get());
-  natsOptions_SetClosedCB(opts.get(), on_closed, events.get());
-  natsOptions_SetErrorHandler(opts.get(), on_error, events.get());
-  wire_->nc = nats_connect(opts.get(), o.servers);
-  // From now on cnats' (on_closed frees it); a failed connect calls back nothing, and
-  // `events` frees it then.
-  static_cast<void>(events.release());
+  if (!state_->connected && o.connect_deadline.count() > 0)
+    uv_timer_start(
+        connect_timer_.get(), [](uv_timer_t* t) { static_cast<NatsChannel*>(t->data)->give_up(); },
+        static_cast<std::uint64_t>(o.connect_deadline.count()), 0);
 }
 
 void NatsChannel::make_handles() {
@@ -283,20 +128,12 @@ void NatsChannel::make_handles() {
       this);
   finisher_ = loop::Timer::timer(loop_.uv(), this);
   confirm_timer_ = loop::Timer::timer(loop_.uv(), this);
+  connect_timer_ = loop::Timer::timer(loop_.uv(), this);
   // Only a close in progress keeps the loop alive (close() refs the first two).
   uv_unref(reinterpret_cast<uv_handle_t*>(closer_.get()));
   uv_unref(reinterpret_cast<uv_handle_t*>(finisher_.get()));
   uv_unref(reinterpret_cast<uv_handle_t*>(confirm_timer_.get()));
-}
-
-void NatsChannel::learn_connection() {
-  state_->max_payload = natsConnection_GetMaxPayload(wire_->nc);
-  char* ip = nullptr;
-  int port = 0;
-  if (natsConnection_GetLocalIPAndPort(wire_->nc, &ip, &port) == NATS_OK && ip != nullptr) {
-    local_ip_ = ip;
-    free(ip);  // allocated by cnats
-  }
+  uv_unref(reinterpret_cast<uv_handle_t*>(connect_timer_.get()));
 }
 
 NatsChannel::~NatsChannel() {
@@ -306,25 +143,28 @@ NatsChannel::~NatsChannel() {
   // On the loop thread: the driver applies cnats' stop-polling and detach at once here.
   // Once Close has returned (it joins cnats' reconnect thread), cnats calls the driver no
   // more, and the driver closes what it still holds.
-  natsConnection_Close(wire_->nc);
+  if (wire_->nc != nullptr) natsConnection_Close(wire_->nc);
   driver_->shutdown();
   for (auto& [id, sub] : wire_->subs) natsSubscription_Destroy(sub);
   for (natsSubscription* sub : wire_->draining) natsSubscription_Destroy(sub);
-  natsConnection_Destroy(wire_->nc);
+  if (wire_->nc != nullptr) natsConnection_Destroy(wire_->nc);
   // closer_, finisher_ and confirm_timer_ close themselves.
 }
 
 void NatsChannel::close(std::unique_ptr<NatsChannel> channel) {
   NatsChannel* self = channel.release();
   self->closing_ = true;
+  const bool connected = self->state_->connected;
   self->state_->forget();
   uv_timer_stop(self->confirm_timer_.get());
+  uv_timer_stop(self->connect_timer_.get());
   uv_ref(reinterpret_cast<uv_handle_t*>(self->closer_.get()));
   uv_ref(reinterpret_cast<uv_handle_t*>(self->finisher_.get()));
   // The flush runs on the worker while the loop, free, writes what cnats buffered and reads
   // the PONG; then the worker wakes the loop to finish.
-  self->outbox_->push([self] {
-    natsConnection_FlushTimeout(self->wire_->nc, 500);
+  self->outbox_->push([self, connected] {
+    // A connection that is down could only wait the flush out.
+    if (connected && self->wire_->nc != nullptr) natsConnection_FlushTimeout(self->wire_->nc, 500);
     uv_async_send(self->closer_.get());
   });
   self->outbox_->finish();
@@ -334,7 +174,10 @@ std::string NatsChannel::own_subject(std::string_view suffix) const {
   return state_->prefix + "." + std::string(suffix);
 }
 
-std::int64_t NatsChannel::max_payload() const noexcept { return state_->max_payload; }
+std::int64_t NatsChannel::max_payload() const noexcept {
+  const std::int64_t known = state_->max_payload;
+  return known > 0 ? known : kAssumedMaxPayload;
+}
 
 std::uint64_t NatsChannel::serve(const std::string& subject, Answer answer, Registered registered) {
   // The loop's handler serves only when a drain replaces it with last words (unsubscribe).

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -31,6 +32,24 @@ bool is_reply_inbox(std::string_view prefix, std::string_view subject);
 class NatsSocketDriver;
 class Outbox;
 
+/// The connection's state for any thread (Connector::side_channel_state()): written on the
+/// loop as the connection's events arrive, read anywhere without waiting for the loop.
+class StatusBoard {
+ public:
+  SideChannelStatus get() const {
+    std::lock_guard lock(mu_);
+    return value_;
+  }
+  void set(SideChannelState state, std::string detail) {
+    std::lock_guard lock(mu_);
+    value_ = {state, std::move(detail)};
+  }
+
+ private:
+  mutable std::mutex mu_;
+  SideChannelStatus value_;
+};
+
 /// A NATS connection whose socket is driven by a connector's loop (NatsSocketDriver, ferry's
 /// side of cnats' event-loop contract).
 ///
@@ -43,9 +62,13 @@ class Outbox;
 class NatsChannel {
  public:
   /// Connects, on the loop thread: cnats attaches the socket from the thread that connects,
-  /// so this blocks the loop for the handshake (at most options.connect_timeout). Throws
-  /// Error(AccessDenied) when the server refuses the credentials, Error(SideChannel)
-  /// otherwise.
+  /// so this blocks the loop for the handshake (at most options.connect_timeout per server).
+  /// Throws Error(AccessDenied) when a server refuses the credentials, Error(SideChannel) for
+  /// options cnats refuses. When no server can be reached, the channel is made anyway and
+  /// connects in the background (cnats' retry on a failed connect, started from the Outbox):
+  /// subscriptions and publishes wait in cnats' reconnect buffer until it is connected,
+  /// confirmations' deadlines do not run, and `connected` is reported (status(), on_event)
+  /// once it is. options.connect_deadline, when set, bounds that: then it gives up, closed.
   NatsChannel(EventLoop& loop, const NatsOptions& options, std::string client_id);
   /// Closes at once; loop thread. Publishes still buffered by cnats are lost, and cnats may
   /// wait up to 500 ms for them: use close() instead when the loop can keep running.
@@ -132,8 +155,14 @@ class NatsChannel {
   std::string own_subject(std::string_view suffix) const;
   /// The local address of the connection's socket (the interface that faces the servers).
   const std::string& local_ip() const noexcept { return local_ip_; }
-  /// The connected server's limit on a message's payload, in bytes.
+  /// The connected server's limit on a message's payload, in bytes; before the first
+  /// connection, kAssumedMaxPayload (nats-server's default).
   std::int64_t max_payload() const noexcept;
+  static constexpr std::int64_t kAssumedMaxPayload = 1 << 20;
+  /// Whether the connection is up now. Loop thread.
+  bool connected() const noexcept;
+  /// Where the connection stands, for any thread.
+  std::shared_ptr<StatusBoard> status() const noexcept { return status_; }
 
   /// Loop-side state, shared weakly with cnats' callbacks (defined in the .cpp).
   struct State;
@@ -145,7 +174,9 @@ class NatsChannel {
   // what the connection tells.
   void connect(const NatsOptions& options);
   void make_handles();
-  void learn_connection();
+  void learn_connection(const NatsOptions& options);
+  // Connecting in the background (see the constructor): the deadline that ends it.
+  void give_up();
 
   std::uint64_t subscribe_impl(const std::string& subject, const std::string& queue,
                                MessageHandler handler, Registered registered, Answer direct);
@@ -170,6 +201,8 @@ class NatsChannel {
   loop::Async closer_;
   loop::Timer finisher_;
   loop::Timer confirm_timer_;  // the earliest confirmation deadline
+  loop::Timer connect_timer_;  // NatsOptions::connect_deadline, while connecting
+  std::shared_ptr<StatusBoard> status_ = std::make_shared<StatusBoard>();
   bool closing_ = false;
   // respond()'s rate-limited note.
   std::chrono::steady_clock::time_point refused_noted_{};

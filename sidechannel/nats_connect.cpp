@@ -1,5 +1,10 @@
 #include "sidechannel/nats_connect.hpp"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <ferry/error.hpp>
 
 namespace ferry::sidechannel {
@@ -32,7 +37,61 @@ void set_tls(natsOptions* opts, const NatsOptions& o) {
           "TLS certificate/key");
 }
 
+// "nats://user:pw@host:port" (any scheme, user info and port optional; "[v6]" in brackets):
+// the host and the port, 4222 by default.
+std::pair<std::string, std::string> host_and_port(std::string url) {
+  if (auto scheme = url.find("://"); scheme != std::string::npos) url.erase(0, scheme + 3);
+  if (auto slash = url.find('/'); slash != std::string::npos) url.erase(slash);
+  if (auto at = url.rfind('@'); at != std::string::npos) url.erase(0, at + 1);
+  std::string host = url, port = "4222";
+  if (url.starts_with("[")) {
+    auto close = url.find(']');
+    if (close == std::string::npos) return {};
+    host = url.substr(1, close - 1);
+    if (close + 1 < url.size() && url[close + 1] == ':') port = url.substr(close + 2);
+  } else if (auto colon = url.rfind(':'); colon != std::string::npos) {
+    host = url.substr(0, colon);
+    port = url.substr(colon + 1);
+  }
+  return {host, port};
+}
+
+std::string route_ip_to(const std::string& url) {
+  auto [host, port] = host_and_port(url);
+  if (host.empty() || port.empty()) return {};
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &found) != 0) return {};
+  std::string ip;
+  for (addrinfo* a = found; a != nullptr && ip.empty(); a = a->ai_next) {
+    int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    char text[INET6_ADDRSTRLEN] = {};
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      const void* addr =
+          local.ss_family == AF_INET6
+              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+              : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+      if (::inet_ntop(local.ss_family, addr, text, sizeof text) != nullptr) ip = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return ip;
+}
+
 }  // namespace
+
+std::string route_ip(const std::vector<std::string>& servers) {
+  for (const auto& url : servers)
+    if (std::string ip = route_ip_to(url); !ip.empty()) return ip;
+  return {};
+}
 
 std::string status_text(natsStatus s) {
   std::string text = natsStatus_GetText(s);

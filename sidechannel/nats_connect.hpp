@@ -26,6 +26,11 @@ NatsOptionsPtr nats_options(const NatsOptions& o);
 /// Error(SideChannel) otherwise; both name `servers`, the URLs `opts` holds.
 natsConnection* nats_connect(natsOptions* opts, const std::vector<std::string>& servers);
 
+/// The local address this host would use to reach the first of `servers` that resolves (a UDP
+/// socket connected there, which sends nothing), or empty: where the connection's socket would
+/// be bound, known before any server answers. Blocks for name resolution.
+std::string route_ip(const std::vector<std::string>& servers);
+
 /// Whether the natsConnection_Connect that has just failed on this thread with `status` was
 /// refused by a server over its credentials.
 bool credentials_refused(natsStatus status) noexcept;

@@ -91,15 +91,16 @@ void ActiveOperation::on_transfer_setup_failed(const Error& error) {
 std::string ActiveOperation::deadline_text(std::chrono::milliseconds timeout) const {
   std::string text = OperationState::deadline_text(timeout);
   if (asking && !remote)
-    text += " while asking for the metadata at subject '" + asking->subject + "': nobody served it";
+    text += " while asking for the metadata at subject '" + asking->subject +
+            "': nobody served it" + core->nats_note();
   return text;
 }
 
 std::string ActiveOperation::pairing_text(std::chrono::milliseconds timeout) const {
   return "asked for the metadata at subject '" + (asking ? asking->subject : std::string()) +
-         "' for " + std::to_string(timeout.count()) +
-         " ms: nobody served it (ConnectorOptions::subject_timeout; give the operation a "
-         "deadline of its own to wait longer)";
+         "' for " + std::to_string(timeout.count()) + " ms: nobody served it" + core->nats_note() +
+         " (ConnectorOptions::subject_timeout; give the operation a deadline of its own to wait "
+         "longer)";
 }
 
 void ActiveOperation::release(OperationStatus final_status, const Error& reason) {

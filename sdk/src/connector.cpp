@@ -26,6 +26,7 @@ std::shared_ptr<detail::PassiveOperation> create(detail::Core& core, OperationKi
       throw Error(ErrorCode::InvalidState,
                   "serving at a subject needs the NATS side channel (NatsOptions::servers or "
                   "FERRY_NATS_URL)");
+    core.require_open_side_channel("serving at a subject");
   }
   auto op = core.loop->call(
       [&] { return core.create_passive(kind, std::move(local), timeout, options.subject); });
@@ -33,7 +34,9 @@ std::shared_ptr<detail::PassiveOperation> create(detail::Core& core, OperationKi
   // passed): a peer told right after this call finds the subject served. (On the loop thread
   // this cannot wait; a peer that asks too early is answered "no responders" and asks again
   // at once.)
-  if (op->served.valid() && !core.loop->in_loop_thread())
+  // Nor while the side channel is not connected: the server gets the subscription once it is.
+  if (op->served.valid() && !core.loop->in_loop_thread() &&
+      core.nats_status->get().state == SideChannelState::connected)
     op->served.wait_for(core.options.nats.request_timeout);
   return op;
 }
@@ -60,6 +63,7 @@ std::shared_ptr<detail::ActiveOperation> begin(detail::Core& core, OperationKind
     throw Error(ErrorCode::InvalidState,
                 "pairing by subject needs the NATS side channel (NatsOptions::servers or "
                 "FERRY_NATS_URL)");
+  core.require_open_side_channel("pairing by subject");
   detail::check_local(local);
   if (kind == OperationKind::read) check_writable(local, "begin_read");
   auto timeout = core.effective_timeout(options);
@@ -100,6 +104,29 @@ const PeerIdentity& Connector::identity() const noexcept {
 std::vector<Endpoint> Connector::endpoints() const { return core().endpoints; }
 
 bool Connector::has_side_channel() const noexcept { return core_ && core_->has_nats; }
+
+SideChannelStatus Connector::side_channel_state() const {
+  if (core_ && core_->nats_status) return core_->nats_status->get();
+  return {SideChannelState::none, core_ ? "no NATS server configured (NatsOptions::servers or "
+                                          "FERRY_NATS_URL)"
+                                        : "this connector was moved from"};
+}
+
+const char* to_string(SideChannelState state) noexcept {
+  switch (state) {
+    case SideChannelState::none:
+      return "none";
+    case SideChannelState::connecting:
+      return "connecting";
+    case SideChannelState::connected:
+      return "connected";
+    case SideChannelState::reconnecting:
+      return "reconnecting";
+    case SideChannelState::closed:
+      return "closed";
+  }
+  return "?";
+}
 
 std::vector<MethodInfo> Connector::methods() const { return core().methods; }
 

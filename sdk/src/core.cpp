@@ -154,6 +154,7 @@ void Core::start() {
       if (!nats_options.servers.empty()) {
         nats = std::make_unique<sidechannel::NatsChannel>(*loop, nats_options, identity.id);
         has_nats = true;
+        nats_status = nats->status();
         nats_prefix = nats_options.prefix;
         // Peers reach us where the cluster reaches us: the NATS socket's own interface.
         if (context.bind_address.empty()) context.bind_address = nats->local_ip();
@@ -241,7 +242,22 @@ void Core::shutdown() noexcept {
     // Last, and without blocking the loop: the cancelled operations' completion notices
     // still leave, then the connection closes.
     if (nats) sidechannel::NatsChannel::close(std::move(nats));
+    if (nats_status) nats_status->set(SideChannelState::closed, "the connector is closed");
   });
+}
+
+void Core::require_open_side_channel(const char* what) const {
+  if (!nats_status) return;
+  if (SideChannelStatus now = nats_status->get(); now.state == SideChannelState::closed)
+    throw Error(ErrorCode::SideChannel,
+                std::string(what) + ": the NATS side channel is closed: " + now.detail);
+}
+
+std::string Core::nats_note() const {
+  if (!nats_status) return {};
+  SideChannelStatus now = nats_status->get();
+  if (now.state == SideChannelState::connected) return {};
+  return std::string("; NATS is not connected (") + to_string(now.state) + ": " + now.detail + ")";
 }
 
 std::chrono::milliseconds Core::effective_timeout(const OperationOptions& o) const {

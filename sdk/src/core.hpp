@@ -102,6 +102,14 @@ class Core : public std::enable_shared_from_this<Core> {
   std::unique_ptr<sidechannel::NatsChannel> nats;
   bool has_nats = false;    ///< fixed after start(); readable from any thread
   std::string nats_prefix;  ///< fixed after start()
+  /// Where the side channel stands (null without one); any thread.
+  std::shared_ptr<sidechannel::StatusBoard> nats_status;
+  /// Any thread: throws Error(SideChannel) when the side channel has given up (closed), naming
+  /// the servers and the last error, for `what` ("pairing by subject").
+  void require_open_side_channel(const char* what) const;
+  /// Any thread: "" while the side channel is connected, else "; NATS is not connected
+  /// (connecting: ...)", for a timeout's message.
+  std::string nats_note() const;
 
   // Loop thread only.
   std::vector<std::unique_ptr<transport::Transport>> transports;

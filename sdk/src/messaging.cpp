@@ -29,6 +29,7 @@ void require_side_channel(const Core& core) {
   if (!core.has_nats)
     throw Error(ErrorCode::InvalidState,
                 "messaging needs the NATS side channel (NatsOptions::servers or FERRY_NATS_URL)");
+  core.require_open_side_channel("messaging");
 }
 
 // The channel, on the loop thread; InvalidState once the connector is closed.
@@ -246,7 +247,10 @@ Subscription Connector::subscribe(std::string subject, MessageHandler handler,
   c.loop->call([&] { state->start(std::move(handler)); });
   Subscription out(state);
   // On the loop thread the confirmation can only come after this call: do not wait.
-  if (c.loop->in_loop_thread()) return out;
+  // Nor while the side channel is not connected: the subscription is in place, and the
+  // server gets it once the connection is (back).
+  if (c.loop->in_loop_thread() || c.nats_status->get().state != SideChannelState::connected)
+    return out;
   // The channel's own deadline is request_timeout (while connected); past it and a margin,
   // the connection is down: give up rather than wait for it.
   const auto limit = c.options.nats.request_timeout + std::chrono::milliseconds(500);

@@ -60,10 +60,10 @@ NatsOptions resolve(NatsOptions o, const std::string& connector_name) {
   if (o.prefix.empty()) o.prefix = "ferry";
   check_text(o.connection_name, "the NATS connection name", 256);
   if (o.connect_timeout.count() <= 0 || o.request_timeout.count() <= 0 ||
-      o.reconnect_wait.count() < 0)
+      o.reconnect_wait.count() < 0 || o.connect_deadline.count() < 0)
     throw Error(ErrorCode::InvalidArgument,
                 "nats: connect_timeout and request_timeout must be positive, reconnect_wait "
-                "not negative");
+                "and connect_deadline not negative");
   return o;
 }
 

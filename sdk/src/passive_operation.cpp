@@ -119,6 +119,7 @@ void PassiveOperation::on_claimed(const transport::Claim& claim) {
 std::string PassiveOperation::pairing_text(std::chrono::milliseconds timeout) const {
   return "served at subject '" + subject + "' for " + std::to_string(timeout.count()) +
          " ms: " + (asked ? "a peer asked for it but none claimed it" : "nobody asked for it") +
+         core->nats_note() +
          " (ConnectorOptions::subject_timeout; give the operation a deadline of its own to wait "
          "longer)";
 }

@@ -323,6 +323,7 @@ Region Connector::create_region(std::vector<Descriptor> local, RegionOptions opt
       throw Error(ErrorCode::InvalidState,
                   "serving at a subject needs the NATS side channel (NatsOptions::servers or "
                   "FERRY_NATS_URL)");
+    core.require_open_side_channel("serving at a subject");
   }
   auto region = core.loop->call([&] {
     if (core.closed) throw Error(ErrorCode::InvalidState, "the connector is closed");
@@ -392,6 +393,7 @@ Attachment Connector::attach(const Subject& subject, AttachOptions options) {
     throw Error(ErrorCode::InvalidState,
                 "attaching by subject needs the NATS side channel (NatsOptions::servers or "
                 "FERRY_NATS_URL)");
+  core.require_open_side_channel("attaching by subject");
   check_access(options.access);
   const auto timeout = attach_timeout(core, options);
   auto att = std::make_shared<detail::AttachmentState>(core_, core.next_id(), options.access);

@@ -40,7 +40,7 @@ void AttachmentState::on_deadline(uv_timer_t* timer) {
       "attaching: the deadline of " + std::to_string(self->attach_timeout_.count()) + " ms passed";
   if (!self->subject_.empty() && !self->metadata())
     text += " while asking for the region's metadata at subject '" + self->subject_ +
-            "': nobody served it";
+            "': nobody served it" + self->core->nats_note();
   self->fail(Error(ErrorCode::Timeout, text));
 }
 

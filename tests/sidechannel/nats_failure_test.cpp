@@ -179,22 +179,6 @@ TEST_F(NatsAuthTest, Token) {
   expect_refused(wrong, "refused the credentials");
 }
 
-TEST(NatsConnect, AnUnreachableServerIsAClearErrorAtConstruction) {
-  ConnectorOptions o =
-      nats_options("lonely", {"nats://127.0.0.1:" + std::to_string(test::free_port())});
-  o.nats.connect_timeout = 500ms;
-  try {
-    Connector c(o);
-    ADD_FAILURE() << "connected to nobody";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::SideChannel) << e.what();
-    EXPECT_TRUE(e.retryable());
-    EXPECT_NE(std::string(e.what()).find("cannot connect to NATS at nats://127.0.0.1:"),
-              std::string::npos)
-        << e.what();
-  }
-}
-
 TEST(NatsConnect, AServersEntryMayBeACommaSeparatedListAsTheEnvironmentIs) {
   test::NatsServer server;
   ConnectorOptions o = test::named("listed");

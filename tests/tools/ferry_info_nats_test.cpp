@@ -61,6 +61,23 @@ TEST(FerryInfoNats, ADeadPortIsUnreachableNotAnError) {
   EXPECT_FALSE(nats.at("error").get<std::string>().empty());
 }
 
+TEST(FerryInfoNats, SaysWhereAConnectorsSideChannelStands) {
+  std::string url = dead_url();
+  json waiting = nats_of(run_ferry_info({"--json", "--nats", url}));
+  EXPECT_EQ(waiting.at("connector").at("state"), "connecting") << waiting.dump();
+  EXPECT_NE(waiting.at("connector").at("detail").get<std::string>().find(url), std::string::npos)
+      << waiting.dump();
+  ToolRun text = run_ferry_info({"--nats", url});
+  EXPECT_NE(text.out.find("a connector    connecting (keeps trying in the background): "),
+            std::string::npos)
+      << text.out;
+
+  NatsServer server;
+  json up = nats_of(run_ferry_info({"--json", "--nats", server.url()}));
+  EXPECT_EQ(up.at("connector").at("state"), "connected") << up.dump();
+  EXPECT_EQ(up.at("connector").at("detail"), server.url());
+}
+
 TEST(FerryInfoNats, StrictFailsOnlyWhenUnreachable) {
   EXPECT_EQ(run_ferry_info({"--strict", "--nats", dead_url()}).exit_code, 1);
   NatsServer server;

@@ -6,7 +6,8 @@
 //              (ferry::probe_methods), the methods and memory kinds not built into this version
 //   rdma       the RDMA devices libibverbs sees (loaded at run time through ferry's verbs
 //              table): their limits, their ports' link layers and GID tables
-//   nats       whether the NATS server(s) of --nats or FERRY_NATS_URL answer, and what they say
+//   nats       whether the NATS server(s) of --nats or FERRY_NATS_URL answer, and what they say;
+//              where a connector's side channel stands right after it is made with them
 //   versions   ferry, libuv, cnats, the kernel
 //   host       the same-host facts cma relies on: boot id, PID namespace, Yama's ptrace_scope
 //
@@ -449,6 +450,25 @@ json reach(const std::vector<std::string>& servers, std::chrono::milliseconds ti
   }
 }
 
+/// What a connector made here with `servers` says of its side channel right after its
+/// constructor: connected, connecting (it keeps trying in the background), or why it refuses
+/// to start (credentials refused, say).
+json connector_facts(const std::vector<std::string>& servers, std::chrono::milliseconds timeout) {
+  try {
+    ferry::ConnectorOptions options;
+    options.name = "ferry-info";
+    options.use_environment = false;  // the methods are another section's business
+    options.transports = {"tcp"};
+    options.nats.servers = servers;
+    options.nats.connect_timeout = timeout;
+    ferry::Connector connector(options);
+    ferry::SideChannelStatus now = connector.side_channel_state();
+    return {{"state", ferry::to_string(now.state)}, {"detail", now.detail}};
+  } catch (const ferry::Error& e) {
+    return {{"state", "refused"}, {"detail", e.what()}};
+  }
+}
+
 json nats_facts(const Args& args) {
   std::vector<std::string> servers =
       split_list(args.nats.value_or(env("FERRY_NATS_URL").value_or("")));
@@ -457,6 +477,7 @@ json nats_facts(const Args& args) {
                 {"source", args.nats ? "--nats" : "FERRY_NATS_URL"},
                 {"servers", servers}};
   facts.update(reach(servers, args.timeout));
+  facts["connector"] = connector_facts(servers, args.timeout);
   // Lets cnats' threads and memory go before exit (the connection is destroyed by now).
   nats_CloseAndWait(args.timeout.count());
   return facts;
@@ -666,6 +687,13 @@ void print_nats(const json& facts) {
   auto servers = join(facts["servers"].get<std::vector<std::string>>());
   std::printf("  servers        %s (from %s)\n", servers.c_str(),
               facts["source"].get<std::string>().c_str());
+  if (facts.contains("connector")) {
+    const json& c = facts["connector"];
+    const std::string state = c["state"].get<std::string>();
+    std::printf("  a connector    %s%s: %s\n", state.c_str(),
+                state == "connecting" ? " (keeps trying in the background)" : "",
+                c["detail"].get<std::string>().c_str());
+  }
   if (!facts["reachable"].get<bool>()) {
     std::printf("  unreachable    %s\n", facts["error"].get<std::string>().c_str());
     return;

@@ -180,21 +180,30 @@ class Connector {
   [[nodiscard("dropping the handle detaches")]] Attachment attach(const Subject& subject,
                                                                   AttachOptions options = {});
 
-  /// Whether this connector has a NATS side channel (and so can pair by subject). Any thread.
+  /// Whether this connector was configured with NATS servers (NatsOptions::servers or
+  /// FERRY_NATS_URL), and so has a side channel: it may still be connecting, or have given up
+  /// (side_channel_state() says which). Any thread.
   bool has_side_channel() const noexcept;
+  /// Where the side channel stands: none (no server configured), connecting (not connected
+  /// yet; operations by subject wait for it within their deadlines), connected, reconnecting,
+  /// or closed (given up: calls by subject throw Error(SideChannel) with this detail; or the
+  /// connector is closed). Any thread; no wait for the loop.
+  SideChannelStatus side_channel_state() const;
 
   // Messaging on the side channel's own connection (docs/sidechannel.md, "Messaging"): the
   // worker's own orchestration ("decode-3 is ready", "which blocks for request 17") without a
   // second NATS connection. Every call below throws Error(InvalidState) without a side channel
-  // or once the connector is closed, and Error(InvalidArgument) for a subject (or reply
+  // or once the connector is closed, Error(SideChannel) once the side channel gave up
+  // connecting (side_channel_state() closed), and Error(InvalidArgument) for a subject (or reply
   // subject) that is malformed or lies in ferry's own namespace (NatsOptions::prefix: ferry's
   // control messages live there, and carry credentials). Handlers run on the loop thread.
 
   /// Subscribes to `subject`, which may hold the wildcards `*` (one token) and `>` (the rest,
   /// last token only); `handler` runs on the loop thread for each message until the returned
-  /// handle unsubscribes (or is destroyed) or the connector is closed. Off the loop thread,
-  /// returns once the server has the subscription, so that a message anyone publishes after
-  /// the call returns reaches the handler; throws Error(SideChannel) when the server refuses
+  /// handle unsubscribes (or is destroyed) or the connector is closed. Off the loop thread and
+  /// with the side channel connected, returns once the server has the subscription, so that a
+  /// message anyone publishes after the call returns reaches the handler (not connected: at
+  /// once, and the server gets it on connect); throws Error(SideChannel) when the server refuses
   /// it or does not confirm it within NatsOptions::request_timeout, Error(Cancelled) when the
   /// connector closes meanwhile. On the loop thread it cannot wait: it returns at once (what
   /// this connector publishes afterwards is still seen, since one connection's messages reach
@@ -206,7 +215,8 @@ class Connector {
   /// empty. Returns once the message is handed to the connection, in call order (a publish
   /// after subscribe() returns comes after the subscription). Throws Error(SideChannel) when
   /// `data` exceeds the server's max_payload (naming both sizes); a connection that is down
-  /// keeps the message until it is back (cnats' reconnect buffer). Any thread.
+  /// keeps the message until it is back (cnats' reconnect buffer), as does one not connected
+  /// yet. Any thread.
   void publish(std::string_view subject, std::string_view data, std::string_view reply = {});
   /// Answers `request` (a message a subscription handler got) with `data`, at its reply
   /// subject. Throws Error(InvalidArgument) when `request` has no reply subject, or one in

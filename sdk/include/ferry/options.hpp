@@ -89,8 +89,28 @@ struct VerbsOptions {
   bool memory_windows = true;
 };
 
-/// What happened to the NATS side channel's connection.
-enum class SideChannelEvent { disconnected, reconnected, closed, error };
+/// What happened to the NATS side channel's connection. `connected`: the first connection is
+/// made (by the Connector's constructor, or later in the background); `closed`: cnats gave up
+/// for good (NatsOptions::connect_deadline, max_reconnect), or the connection was closed.
+enum class SideChannelEvent { disconnected, reconnected, closed, error, connected };
+
+/// Where a connector's NATS side channel stands (Connector::side_channel_state()).
+enum class SideChannelState {
+  none,          ///< no server configured: no side channel
+  connecting,    ///< never connected yet: connecting in the background, retrying
+  connected,     ///< connected (detail: the server's URL)
+  reconnecting,  ///< the connection dropped; cnats is reconnecting
+  closed,        ///< given up (detail: the servers and the last error), or the connector closed
+};
+/// "none", "connecting", "connected", "reconnecting", "closed".
+const char* to_string(SideChannelState state) noexcept;
+
+/// A SideChannelState and, for people, what it is about: the server connected to, or the
+/// servers tried and the last error.
+struct SideChannelStatus {
+  SideChannelState state = SideChannelState::none;
+  std::string detail;
+};
 
 /// The NATS side channel's settings. Every string left empty is read from the environment
 /// variable named beside it (unless this struct's use_environment is false). With no server at all,
@@ -111,7 +131,15 @@ struct NatsOptions {
   std::string connection_name;  ///< FERRY_NATS_NAME; empty: the connector's name
   /// Namespace of ferry's own subjects (reply inboxes, completion notices). FERRY_NATS_PREFIX.
   std::string prefix;
+  /// One server's connect and handshake, at most.
   std::chrono::milliseconds connect_timeout{2000};
+  /// When no server can be reached at construction, the Connector is made anyway and the side
+  /// channel keeps connecting in the background, a round over the servers every
+  /// reconnect_wait (docs/sidechannel.md, "Connecting in the background"). This bounds that:
+  /// once it has passed without a connection, the side channel gives up and is closed (as it
+  /// is after max_reconnect rounds, when that is not -1). Zero, the default: keep trying, as
+  /// max_reconnect's default does after a connection drops.
+  std::chrono::milliseconds connect_deadline{0};
   /// Reconnect policy: wait between rounds over the server list, and how many rounds
   /// (-1: forever).
   std::chrono::milliseconds reconnect_wait{250};
@@ -122,7 +150,9 @@ struct NatsOptions {
   /// Whether the FERRY_NATS_* variables fill what is left empty here. The connector's other
   /// variables follow ConnectorOptions::use_environment.
   bool use_environment = true;
-  /// Called on the loop thread when the connection drops, comes back, closes or errs.
+  /// Called on the loop thread when the first connection is made (`connected`, detail: the
+  /// URL; also when the constructor made it), and when the connection drops, comes back,
+  /// closes or errs.
   std::function<void(SideChannelEvent event, const std::string& detail)> on_event;
 };
 
