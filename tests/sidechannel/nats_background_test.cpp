@@ -195,6 +195,26 @@ TEST(NatsBackground, MessagingWhileConnectingIsDeliveredOnceTheServerIsThere) {
   EXPECT_EQ(heard.get(), "decode-3");
 }
 
+TEST(NatsBackground, ARequestMadeWhileConnectingIsAnsweredWithinItsTimeout) {
+  const std::uint16_t port = test::free_port();
+  // One connector, so that the responder's subscription reaches the server first (cnats sends
+  // the subscriptions, then what it buffered); a responder on a connection that is not up yet
+  // would leave the request "no responders" (PeerLost).
+  Connector c(waiting_for("early-asker", port));
+  Subscription sub =
+      c.subscribe("app.blocks", [&](const Message& m) { c.respond(m, "17: 3 blocks"); });
+  std::promise<std::string> got;
+  auto answer = got.get_future();
+  c.request("app.blocks", "17", 10s, [&](const Message* reply, const Error* error) {
+    got.set_value(reply != nullptr ? reply->data : std::string("error: ") + error->what());
+  });
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(answer.wait_for(0s), std::future_status::timeout);  // waits; no error at once
+  test::NatsServer server(test::NatsServer::Options{port, {}, {}});
+  ASSERT_EQ(answer.wait_for(10s), std::future_status::ready);
+  EXPECT_EQ(answer.get(), "17: 3 blocks");
+}
+
 TEST(NatsBackground, FerryNatsUrlAtADeadServerDoesNotAbortTheReadmeSnippet) {
   ::setenv("FERRY_NATS_URL", ("nats://127.0.0.1:" + std::to_string(test::free_port())).c_str(), 1);
   {
