@@ -902,6 +902,13 @@ class Connector:
         return self._c.has_side_channel
 
     @property
+    def side_channel_state(self):
+        """(state, detail) of the NATS side channel: state is "none" (no servers configured),
+        "connecting" (keeps trying in the background, within NatsOptions' connect deadline),
+        "connected", "reconnecting" or "closed" (gave up; detail says why)."""
+        return self._c.side_channel_state
+
+    @property
     def identity(self):
         """This connector's PeerIdentity (name, id, host, pid)."""
         return self._c.identity

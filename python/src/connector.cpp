@@ -334,6 +334,11 @@ void bind_connector(py::module_& m) {
       .def_property_readonly("has_side_channel",
                              [](PyConnector& c) { return c.get()->has_side_channel(); })
       .def_property_readonly("identity", [](PyConnector& c) { return c.get()->identity(); })
+      .def_property_readonly("side_channel_state",
+                             [](PyConnector& c) {
+                               SideChannelStatus st = c.get()->side_channel_state();
+                               return py::make_tuple(std::string(to_string(st.state)), st.detail);
+                             })
       .def("endpoints", [](PyConnector& c) { return c.get()->endpoints(); })
       .def("methods", [](PyConnector& c) { return c.get()->methods(); })
       .def("stats_json", [](PyConnector& c) { return c.get()->stats().to_json(); })

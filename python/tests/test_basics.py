@@ -317,6 +317,7 @@ def test_subjects_need_a_side_channel(pair):
 
 def test_stats_and_methods(pair):
     a, _ = pair
+    assert a.side_channel_state[0] == "none" and not a.has_side_channel
     stats = a.stats()
     assert "methods" in stats and stats["passive"] >= 1
     assert any(m.method == "tcp" and m.available for m in a.methods())

@@ -26,6 +26,7 @@ def pair(nats):
 
 def test_publish_and_subscribe_with_wildcards(pair):
     a, b = pair
+    assert a.side_channel_state[0] == "connected"
     base = subject("pubsub")
     with a.subscribe(base + ".>") as sub:
         b.publish(base + ".one", b"\x00bytes\xff")

@@ -137,9 +137,9 @@ struct NatsOptions {
   /// channel keeps connecting in the background, a round over the servers every
   /// reconnect_wait (docs/sidechannel.md, "Connecting in the background"). This bounds that:
   /// once it has passed without a connection, the side channel gives up and is closed (as it
-  /// is after max_reconnect rounds, when that is not -1). Zero, the default: keep trying, as
-  /// max_reconnect's default does after a connection drops.
-  std::chrono::milliseconds connect_deadline{0};
+  /// is after max_reconnect rounds, when that is not -1). Two minutes by default (about what
+  /// NATS clients retry a first connection for: 60 rounds of 2 s); zero: keep trying.
+  std::chrono::milliseconds connect_deadline{120000};
   /// Reconnect policy: wait between rounds over the server list, and how many rounds
   /// (-1: forever).
   std::chrono::milliseconds reconnect_wait{250};
