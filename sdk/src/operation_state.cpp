@@ -102,7 +102,9 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
   if (counted_) {
     std::uint64_t bytes = 0;
     for (const Descriptor& d : local) bytes += d.size();
-    core->stats.ended(method(), final_status, bytes, std::chrono::steady_clock::now() - created_);
+    const auto now = std::chrono::steady_clock::now();
+    core->stats.ended(method(), final_status, bytes, now - created_,
+                      claimed_at_ ? *claimed_at_ - created_ : std::chrono::nanoseconds(-1));
   }
 
   std::vector<CompletionCallback> callbacks;

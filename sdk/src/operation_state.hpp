@@ -78,6 +78,8 @@ class OperationState : public std::enable_shared_from_this<OperationState> {
   RdmaMetadata metadata;
 
  protected:
+  /// Loop thread: when a peer claimed this passive operation (stats' wait and transfer).
+  std::optional<std::chrono::steady_clock::time_point> claimed_at_;
   /// Loop thread, from finish() before the status is final: makes the memory unreachable
   /// (revoke / cancel, synchronously) and tells the peer `reason` if it has one.
   virtual void release(OperationStatus final_status, const Error& reason) = 0;

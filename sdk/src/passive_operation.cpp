@@ -112,6 +112,7 @@ void PassiveOperation::on_claimed(const transport::Claim& claim) {
   set_method(claim.method);
   set_peer(PeerIdentity{claim.peer_name, claim.peer_id, {}, 0});
   claim_ = claim;
+  if (!claimed_at_) claimed_at_ = std::chrono::steady_clock::now();
   if (status() == OperationStatus::initialized) set_status(OperationStatus::in_progress);
   paired();
 }

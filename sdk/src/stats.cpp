@@ -104,16 +104,19 @@ nlohmann::json outcome_json(const OutcomeCounts& c) {
 std::string ConnectorStats::to_text() const {
   std::string out;
   char line[256];
-  std::snprintf(line, sizeof line, "%-8s %10s %12s %10s %10s %10s %10s %10s\n", "method",
-                "complete", "bytes", "cancelled", "errored", "p50 us", "p99 us", "max us");
+  std::snprintf(line, sizeof line, "%-8s %10s %12s %10s %10s %10s %10s %10s %12s %10s\n", "method",
+                "complete", "bytes", "cancelled", "errored", "p50 us", "p99 us", "max us",
+                "transfer p50", "wait p50");
   out += line;
   for (const MethodStats& m : methods) {
-    std::snprintf(line, sizeof line, "%-8s %10llu %12s %10llu %10llu %10.1f %10.1f %10.1f\n",
+    std::snprintf(line, sizeof line,
+                  "%-8s %10llu %12s %10llu %10llu %10.1f %10.1f %10.1f %12.1f %10.1f\n",
                   m.method.c_str(), static_cast<unsigned long long>(m.complete.operations),
                   human_bytes(m.complete.bytes).c_str(),
                   static_cast<unsigned long long>(m.cancelled.operations),
                   static_cast<unsigned long long>(m.errored.operations),
-                  m.latency.percentile_us(0.5), m.latency.percentile_us(0.99), m.latency.max_us());
+                  m.latency.percentile_us(0.5), m.latency.percentile_us(0.99), m.latency.max_us(),
+                  m.transfer.percentile_us(0.5), m.wait.percentile_us(0.5));
     out += line;
   }
   std::snprintf(line, sizeof line, "operations: %llu active, %llu passive, %llu live\n",
@@ -131,8 +134,12 @@ std::string ConnectorStats::to_json() const {
                             {"complete", outcome_json(m.complete)},
                             {"cancelled", outcome_json(m.cancelled)},
                             {"errored", outcome_json(m.errored)},
-                            {"latency", histogram_json(m.latency)}});
+                            {"latency", histogram_json(m.latency)},
+                            {"wait", histogram_json(m.wait)},
+                            {"transfer", histogram_json(m.transfer)}});
   j["latency"] = histogram_json(latency);
+  j["wait"] = histogram_json(wait);
+  j["transfer"] = histogram_json(transfer);
   j["active"] = active;
   j["passive"] = passive;
   j["live"] = live;
@@ -148,7 +155,7 @@ void StatsRecorder::started(bool passive) noexcept {
 }
 
 void StatsRecorder::ended(const std::string& method, OperationStatus status, std::uint64_t bytes,
-                          std::chrono::nanoseconds latency) {
+                          std::chrono::nanoseconds latency, std::chrono::nanoseconds wait) {
   const std::string& name = method.empty() ? std::string("none") : method;
   std::lock_guard lock(mu_);
   if (snapshot_.live > 0) --snapshot_.live;
@@ -170,6 +177,13 @@ void StatsRecorder::ended(const std::string& method, OperationStatus status, std
   if (status == OperationStatus::complete) {
     it->latency.record(latency);
     snapshot_.latency.record(latency);
+    const auto transfer = wait.count() >= 0 ? latency - wait : latency;
+    it->transfer.record(transfer);
+    snapshot_.transfer.record(transfer);
+    if (wait.count() >= 0) {
+      it->wait.record(wait);
+      snapshot_.wait.record(wait);
+    }
   }
 }
 

@@ -16,9 +16,12 @@ namespace ferry::detail {
 class StatsRecorder {
  public:
   void started(bool passive) noexcept;
-  /// `method` empty: none was chosen. `latency` counts only for `complete`.
+  /// `method` empty: none was chosen. `latency` counts only for `complete`; `wait` is the part
+  /// of it a passive operation spent waiting for its peer's claim (negative: not passive, or
+  /// never claimed).
   void ended(const std::string& method, OperationStatus status, std::uint64_t bytes,
-             std::chrono::nanoseconds latency);
+             std::chrono::nanoseconds latency,
+             std::chrono::nanoseconds wait = std::chrono::nanoseconds(-1));
   ConnectorStats snapshot() const;
 
  private:

@@ -4,6 +4,8 @@
 
 #include <ferry/ferry.hpp>
 
+#include <thread>
+
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -120,6 +122,41 @@ TEST(ConnectorStats, CountsCompletedOperationsByMethodOnBothSides) {
   EXPECT_EQ(find(o, method)->complete.operations, 5u);
   EXPECT_EQ(o.passive, 5u);
   EXPECT_EQ(o.live, 0u);
+}
+
+// The passive side's latency includes the wait for its peer: stats report the wait and the
+// transfer apart (issue 21: a passive operation's p50 read as slow when its peer came late).
+TEST(ConnectorStats, APassiveOperationsWaitForItsPeerIsApartFromItsTransfer) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  constexpr std::size_t kSize = 4096;
+  auto src = patterned(kSize, 1);
+  auto dst = buffer(kSize);
+  auto readable = owner.create_readable({Descriptor(src.data(), kSize)});
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the peer comes late
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), kSize)});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  ASSERT_TRUE(readable.wait_for_completion(kWait));
+
+  const ConnectorStats o = owner.stats();
+  const MethodStats* m = find(o, read.method());
+  ASSERT_NE(m, nullptr) << o.to_text();
+  ASSERT_EQ(m->wait.count(), 1u) << o.to_text();
+  ASSERT_EQ(m->transfer.count(), 1u);
+  EXPECT_GE(m->wait.min_us(), 300000.0);
+  EXPECT_LT(m->transfer.max_us(), m->wait.min_us());
+  EXPECT_NEAR(m->latency.max_us(), m->wait.max_us() + m->transfer.max_us(), 1.0);
+  EXPECT_EQ(o.wait.count(), 1u);
+  EXPECT_NE(o.to_text().find("wait p50"), std::string::npos);
+  EXPECT_NE(o.to_json().find("\"transfer\""), std::string::npos);
+
+  // The active side waits for nobody: its transfer is its latency, and it has no wait.
+  const ConnectorStats p = peer.stats();
+  const MethodStats* a = find(p, read.method());
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->wait.count(), 0u);
+  EXPECT_EQ(a->transfer.count(), 1u);
+  EXPECT_DOUBLE_EQ(a->transfer.max_us(), a->latency.max_us());
 }
 
 TEST(ConnectorStats, CountsCancelledAndErroredApartWithoutLatency) {

@@ -58,19 +58,27 @@ struct MethodStats {
   /// Completed operations, passive and active: from the call that created the operation to
   /// its completion on the loop.
   LatencyHistogram latency;
+  /// The same split in two: `wait`, for passive operations only, from creation until a peer
+  /// claimed it (the time its peer took to come); `transfer`, from that claim (passive) or
+  /// from creation (active) to completion. For a passive operation latency = wait + transfer.
+  LatencyHistogram wait;
+  LatencyHistogram transfer;
 };
 
 /// A snapshot of what a connector's operations have come to since it started.
 struct ConnectorStats {
   /// One per method that any ended operation used, best-known first (ordered by name).
   std::vector<MethodStats> methods;
-  /// Every completed operation, whatever its method.
+  /// Every completed operation, whatever its method (and split as MethodStats splits it).
   LatencyHistogram latency;
+  LatencyHistogram wait;
+  LatencyHistogram transfer;
   std::uint64_t active = 0;   ///< active operations begun (reads and writes)
   std::uint64_t passive = 0;  ///< passive operations created (readables and writables)
   std::uint64_t live = 0;     ///< operations not ended yet
 
-  /// A small table: one line per method with the counts, bytes and latency percentiles.
+  /// A small table: one line per method with the counts, bytes and latency percentiles (the
+  /// whole latency, and the transfer's and the wait's p50).
   std::string to_text() const;
   /// One JSON object with the same content.
   std::string to_json() const;
