@@ -186,7 +186,27 @@ def _is_remote(value):
     )
 
 
-class Operation:
+class _Scoped:
+    """`with` and `async with` for a handle: leaving the block ends it (`_end`)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._end()
+        return False
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self._end()
+        return False
+
+
+class Operation(_Scoped):
     """What every operation offers. Made by a Connector; not constructed directly.
 
     An operation is a context manager (`with` and `async with`): leaving the block cancels it
@@ -292,20 +312,9 @@ class Operation:
         self._op.release()
         self._descriptors = ()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def _end(self):
         if self._op.status != OperationStatus.COMPLETE:
             self._op.cancel()
-        return False
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self.__exit__(*exc)
-        return False
 
     def __await__(self):
         # nixl_connect's create_* and begin_* are coroutines: `await connector.begin_read(...)`
@@ -386,7 +395,7 @@ class RegionEvent:
         return "RegionEvent(%s %s)" % (self.type, self.peer)
 
 
-class Region:
+class Region(_Scoped):
     """Memory exposed once for any number of peers, until closed (docs/regions.md). Made by
     Connector.create_region. A context manager (`with`, `async with`) that closes it."""
 
@@ -463,19 +472,8 @@ class Region:
                 continue
             yield event
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def _end(self):
         self.close()
-        return False
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self.close()
-        return False
 
     def __await__(self):
         if False:  # pragma: no cover
@@ -498,7 +496,7 @@ def _ranges(remote):
     return out
 
 
-class Attachment:
+class Attachment(_Scoped):
     """One peer's attachment to a region: attached once, then any number of transfers, each an
     operation. Transfers may start before it is attached: they wait for it. A context manager
     that detaches."""
@@ -574,19 +572,8 @@ class Attachment:
         """Ends the attachment; transfers under way are cancelled. Idempotent."""
         self._a.detach()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def _end(self):
         self.detach()
-        return False
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self.detach()
-        return False
 
 
 def _looks_local(value):
@@ -629,7 +616,7 @@ class Message:
         return "Message(subject=%r, reply=%r, data=%r)" % (self.subject, self.reply, self.data[:64])
 
 
-class Subscription:
+class Subscription(_Scoped):
     """Messages at a subject (Connector.subscribe): an async iterator (`async for msg in sub`),
     or next_message(timeout) to take one without asyncio. Messages wait in a queue of at most
     `max_pending` (the oldest dropped beyond, counted by .dropped). A context manager that
@@ -711,19 +698,8 @@ class Subscription:
         """Ends the subscription (GIL released while it waits for ferry's loop). Idempotent."""
         self._s.unsubscribe()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def _end(self):
         self.unsubscribe()
-        return False
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self.unsubscribe()
-        return False
 
 
 async def _request_async(loop, connector, subject, data, timeout):
@@ -739,7 +715,7 @@ async def _request_async(loop, connector, subject, data, timeout):
     return Message(s, r, d, connector)
 
 
-class Connector:
+class Connector(_Scoped):
     """One per worker: owns ferry's event loop thread, the transports and the peer connections,
     and creates every operation.
 
@@ -940,19 +916,8 @@ class Connector:
         loop (GIL released). Idempotent; later calls raise InvalidStateError."""
         self._c.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def _end(self):
         self.close()
-        return False
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self.close()
-        return False
 
     def __repr__(self):
         if self._c.closed:

@@ -36,6 +36,18 @@ std::chrono::nanoseconds to_wait(const py::object& seconds);
 /// released then may never come back).
 bool may_release_gil();
 
+/// Runs `fn` without the GIL (it waits for ferry's loop, which never takes the GIL), or with it
+/// while the interpreter finalizes (may_release_gil()).
+template <class F>
+void without_gil(F&& fn) {
+  if (may_release_gil()) {
+    py::gil_scoped_release unlocked;
+    fn();
+  } else {
+    fn();
+  }
+}
+
 /// A descriptor and what keeps its memory valid: the Python object it came from, the buffer
 /// it exported (released when the descriptor goes), or a DLPack tensor it consumed.
 class PyDescriptor {

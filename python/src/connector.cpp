@@ -30,12 +30,7 @@ struct PyOp {
     // Nobody else holds `op` now (a method call holds this object): its destructor cancels
     // and waits for the loop, without the GIL.
     if (!op) return;
-    if (may_release_gil()) {
-      py::gil_scoped_release unlocked;
-      op.reset();
-    } else {
-      op.reset();
-    }
+    without_gil([&] { op.reset(); });
   }
   std::shared_ptr<Operation> handle() const { return op; }
   // Cancels (when not ended) without the GIL; then no transport touches the memory, and the
@@ -60,12 +55,7 @@ struct PyRegion {
   ~PyRegion() { close(); }
   void close() {
     if (!region) return;
-    if (may_release_gil()) {
-      py::gil_scoped_release unlocked;
-      region.close();
-    } else {
-      region.close();
-    }
+    without_gil([&] { region.close(); });
   }
 };
 
@@ -74,12 +64,7 @@ struct PyAttachment {
   ~PyAttachment() { detach(); }
   void detach() {
     if (!attachment) return;
-    if (may_release_gil()) {
-      py::gil_scoped_release unlocked;
-      attachment.detach();
-    } else {
-      attachment.detach();
-    }
+    without_gil([&] { attachment.detach(); });
   }
 };
 
@@ -138,12 +123,7 @@ std::shared_ptr<Connector> PyConnector::get() const {
 void PyConnector::close() {
   std::shared_ptr<Connector> gone = std::move(c);
   if (!gone) return;
-  if (may_release_gil()) {
-    py::gil_scoped_release unlocked;
-    gone.reset();
-  } else {
-    gone.reset();
-  }
+  without_gil([&] { gone.reset(); });
   for (const auto& weak : wake_on_close) {
     if (auto n = weak.lock()) n->notify();
   }

@@ -39,12 +39,7 @@ struct PySubscription {
   ~PySubscription() { unsubscribe(); }
   void unsubscribe() {
     if (!sub) return;
-    if (may_release_gil()) {
-      py::gil_scoped_release unlocked;
-      sub.unsubscribe();
-    } else {
-      sub.unsubscribe();
-    }
+    without_gil([&] { sub.unsubscribe(); });
     inbox->notifier->notify();  // a waiting iterator sees the end
   }
 };

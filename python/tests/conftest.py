@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+import ferry
+
 NATS_SERVER = "/usr/sbin/nats-server"
 
 
@@ -67,6 +69,30 @@ def nats():
     server = NatsServer()
     yield server
     server.stop()
+
+
+def _two_connectors(nats_url):
+    a = ferry.Connector("owner", nats=nats_url)
+    b = ferry.Connector("peer", nats=nats_url)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two connectors of this process without NATS: "owner" and "peer"."""
+    a, b = _two_connectors(False)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def nats_pair(nats):
+    """The same two on the module's private nats-server."""
+    a, b = _two_connectors(nats.url)
+    yield a, b
+    a.close()
+    b.close()
 
 
 @pytest.fixture

@@ -14,15 +14,6 @@ import ferry
 from conftest import pattern
 
 
-@pytest.fixture(scope="module")
-def pair():
-    a = ferry.Connector("owner", nats=False)
-    b = ferry.Connector("peer", nats=False)
-    yield a, b
-    a.close()
-    b.close()
-
-
 def test_the_issue_example_shape(pair):
     a, b = pair
     local = np.zeros(1 << 16, dtype=np.uint8)

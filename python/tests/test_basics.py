@@ -12,15 +12,6 @@ import ferry
 from conftest import pattern
 
 
-@pytest.fixture(scope="module")
-def pair():
-    a = ferry.Connector("owner", nats=False)
-    b = ferry.Connector("peer", nats=False)
-    yield a, b
-    a.close()
-    b.close()
-
-
 # -- descriptors --------------------------------------------------------------------------------
 
 

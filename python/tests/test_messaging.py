@@ -15,17 +15,8 @@ def subject(stem):
     return "py.msg.%s.%d" % (stem, next(_n))
 
 
-@pytest.fixture(scope="module")
-def pair(nats):
-    a = ferry.Connector("a", nats=nats.url)
-    b = ferry.Connector("b", nats=nats.url)
-    yield a, b
-    a.close()
-    b.close()
-
-
-def test_publish_and_subscribe_with_wildcards(pair):
-    a, b = pair
+def test_publish_and_subscribe_with_wildcards(nats_pair):
+    a, b = nats_pair
     assert a.side_channel_state[0] == "connected"
     base = subject("pubsub")
     with a.subscribe(base + ".>") as sub:
@@ -37,8 +28,8 @@ def test_publish_and_subscribe_with_wildcards(pair):
         assert sub.next_message(0.05) is None
 
 
-def test_queue_group_members_share_the_messages(pair):
-    a, b = pair
+def test_queue_group_members_share_the_messages(nats_pair):
+    a, b = nats_pair
     s = subject("queue")
     n = 200
     with a.subscribe(s, queue="workers") as one, b.subscribe(s, queue="workers") as two:
@@ -55,8 +46,8 @@ def test_queue_group_members_share_the_messages(pair):
         assert one.queue == "workers"
 
 
-def test_request_reply_in_asyncio_and_blocking(pair):
-    a, b = pair
+def test_request_reply_in_asyncio_and_blocking(nats_pair):
+    a, b = nats_pair
     s = subject("service")
 
     async def main():
@@ -87,8 +78,8 @@ def test_request_reply_in_asyncio_and_blocking(pair):
     sub.unsubscribe()
 
 
-def test_request_errors_name_the_subject(pair):
-    _, b = pair
+def test_request_errors_name_the_subject(nats_pair):
+    _, b = nats_pair
 
     async def main():
         with pytest.raises(ferry.PeerLostError, match="no responders"):
@@ -104,8 +95,8 @@ def test_request_errors_name_the_subject(pair):
         b.request(subject("x"), "x", timeout=0)
 
 
-def test_unsubscribe_stops_delivery_and_ends_the_iterator(pair):
-    a, b = pair
+def test_unsubscribe_stops_delivery_and_ends_the_iterator(nats_pair):
+    a, b = nats_pair
     s = subject("unsub")
     sub = a.subscribe(s)
 
@@ -123,8 +114,8 @@ def test_unsubscribe_stops_delivery_and_ends_the_iterator(pair):
     assert sub.next_message(0.1) is None
 
 
-def test_the_queue_is_bounded(pair):
-    a, b = pair
+def test_the_queue_is_bounded(nats_pair):
+    a, b = nats_pair
     s = subject("bounded")
     with a.subscribe(s, max_pending=10) as sub, a.subscribe(s + ".fence") as fence:
         for i in range(50):
@@ -138,8 +129,8 @@ def test_the_queue_is_bounded(pair):
         assert sub.next_message(0) is None
 
 
-def test_refusals(pair, nats):
-    a, _ = pair
+def test_refusals(nats_pair, nats):
+    a, _ = nats_pair
     with pytest.raises(ferry.InvalidArgumentError):
         a.publish("ferry.forged", b"x")  # ferry's own namespace
     with pytest.raises(ferry.InvalidArgumentError):
@@ -172,10 +163,10 @@ def test_closing_the_connector_ends_subscriptions_and_requests(nats):
     silent.unsubscribe()
 
 
-def test_a_fast_stream_never_stalls_the_iterator(pair):
+def test_a_fast_stream_never_stalls_the_iterator(nats_pair):
     """Messages pushed by ferry's loop thread while the iterator clears its wake-up fd: none
     may be left waiting for a wake-up that never comes (the order inside Notifier.clear())."""
-    a, b = pair
+    a, b = nats_pair
     s = subject("stream")
     n = 5000
 
@@ -234,8 +225,8 @@ def test_a_waiting_iterator_ends_on_unsubscribe_and_on_close(nats):
         assert got == [None] and not t.is_alive()
 
 
-def test_two_tasks_on_one_subscription_both_get_messages(pair):
-    a, b = pair
+def test_two_tasks_on_one_subscription_both_get_messages(nats_pair):
+    a, b = nats_pair
     s = subject("two-readers")
 
     async def main():

@@ -13,17 +13,8 @@ BLOCK = 4096
 BLOCKS = 32
 
 
-@pytest.fixture(scope="module")
-def pair(nats):
-    a = ferry.Connector("owner", nats=nats.url)
-    b = ferry.Connector("peer", nats=nats.url)
-    yield a, b
-    a.close()
-    b.close()
-
-
-def test_blocks_both_ways_and_the_events_in_order(pair):
-    a, b = pair
+def test_blocks_both_ways_and_the_events_in_order(nats_pair):
+    a, b = nats_pair
     pool = np.zeros(BLOCK * BLOCKS, dtype=np.uint8)
 
     async def main():
@@ -54,8 +45,8 @@ def test_blocks_both_ways_and_the_events_in_order(pair):
     assert np.array_equal(pool[3 * BLOCK:4 * BLOCK], pattern(2 * BLOCK, 4)[:BLOCK])
 
 
-def test_attach_by_subject_and_ranges(pair):
-    a, b = pair
+def test_attach_by_subject_and_ranges(nats_pair):
+    a, b = nats_pair
     pool = pattern(BLOCK * BLOCKS, 8)
     with a.create_region(pool, block_size=BLOCK, subject="py.regions.by-subject"):
         att = b.attach(ferry.Subject("py.regions.by-subject"))
@@ -71,8 +62,8 @@ def test_attach_by_subject_and_ranges(pair):
         att.detach()
 
 
-def test_bad_ranges_are_refused_before_any_byte_moves(pair):
-    a, b = pair
+def test_bad_ranges_are_refused_before_any_byte_moves(nats_pair):
+    a, b = nats_pair
     pool = np.zeros(BLOCK * 4, dtype=np.uint8)
     with a.create_region(pool, access="write", block_size=BLOCK) as region:
         att = b.attach(region.metadata())
@@ -87,8 +78,8 @@ def test_bad_ranges_are_refused_before_any_byte_moves(pair):
         assert not pool.any()
 
 
-def test_revoke_and_close_end_the_peers_access(pair):
-    a, b = pair
+def test_revoke_and_close_end_the_peers_access(nats_pair):
+    a, b = nats_pair
     pool = np.zeros(BLOCK * 8, dtype=np.uint8)
     region = a.create_region(pool, access="write", block_size=BLOCK)
     att1 = b.attach(region.metadata())
@@ -106,8 +97,8 @@ def test_revoke_and_close_end_the_peers_access(pair):
     assert not pool.any()
 
 
-def test_event_iterator_ends_with_the_region(pair):
-    a, _ = pair
+def test_event_iterator_ends_with_the_region(nats_pair):
+    a, _ = nats_pair
 
     async def main():
         region = a.create_region(bytearray(BLOCK), block_size=BLOCK, timeout=0.2)
@@ -118,8 +109,8 @@ def test_event_iterator_ends_with_the_region(pair):
     assert seen[-1] == "ended" and isinstance(error, ferry.TimeoutError)
 
 
-def test_region_refusals(pair):
-    a, _ = pair
+def test_region_refusals(nats_pair):
+    a, _ = nats_pair
     with pytest.raises(ferry.InvalidArgumentError):
         a.create_region(bytearray(BLOCK + 1), block_size=BLOCK)
     with pytest.raises(ferry.InvalidArgumentError):
@@ -130,11 +121,11 @@ def test_region_refusals(pair):
         a.attach('{"kind": "ferry.region"}')
 
 
-def test_next_event_none_waits_for_the_event(pair):
+def test_next_event_none_waits_for_the_event(nats_pair):
     import threading
     import time
 
-    a, b = pair
+    a, b = nats_pair
     with a.create_region(bytearray(BLOCK), block_size=BLOCK) as region:
         md = region.metadata()
         t = threading.Timer(0.3, lambda: b.attach(md).wait_attached())

@@ -12,15 +12,6 @@ import ferry
 torch = pytest.importorskip("torch", reason="torch is not installed (Debian: python3-torch)")
 
 
-@pytest.fixture(scope="module")
-def pair():
-    a = ferry.Connector("owner", nats=False)
-    b = ferry.Connector("peer", nats=False)
-    yield a, b
-    a.close()
-    b.close()
-
-
 def test_tensor_descriptor_takes_pointer_bytes_and_device():
     t = torch.arange(1000, dtype=torch.float32)
     d = ferry.Descriptor(t)
