@@ -215,7 +215,6 @@ class Operation(_Scoped):
     """
 
     __slots__ = ("_op", "_descriptors", "_fut", "_fut_loop", "__weakref__")
-    _kind = OperationKind.UNSPECIFIED
 
     def __init__(self, *args, **kwargs):
         raise TypeError("operations are made by a Connector (create_readable, begin_read, ...)")
@@ -340,28 +339,24 @@ class ReadableOperation(_Passive):
     """Exposes local memory for one peer to read; complete once the peer has read all of it."""
 
     __slots__ = ()
-    _kind = OperationKind.READ
 
 
 class WritableOperation(_Passive):
     """Exposes local memory for one peer to write; complete once all its bytes are in."""
 
     __slots__ = ()
-    _kind = OperationKind.WRITE
 
 
 class ReadOperation(Operation):
     """Reads a peer's readable operation (or region ranges) into local memory."""
 
     __slots__ = ()
-    _kind = OperationKind.READ
 
 
 class WriteOperation(Operation):
     """Writes local memory into a peer's writable operation (or region ranges)."""
 
     __slots__ = ()
-    _kind = OperationKind.WRITE
 
 
 class RegionEvent:

@@ -104,6 +104,16 @@ def start_nats():
     raise SystemExit("disagg_prefill: nats-server did not start")
 
 
+def stop_all(started):
+    """Stops the processes `started`, the last started first (workers before their server)."""
+    for proc in reversed(started):
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 async def with_cpp(args):
     """The whole system: private nats-server, C++ decode, this prefill, C++ client."""
     started = []
@@ -132,12 +142,7 @@ async def with_cpp(args):
         connector.close()
         return rc
     finally:
-        for proc in reversed(started):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(started)
 
 
 async def main():

@@ -39,7 +39,7 @@ import ferry
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import kv  # noqa: E402
-from disagg_prefill import Prefill, start_nats  # noqa: E402
+from disagg_prefill import Prefill, start_nats, stop_all  # noqa: E402
 
 LAYERS, TOKENS_PER_BLOCK, BYTES_PER_TOKEN, BLOCKS = 8, 16, 4096, 256
 
@@ -219,12 +219,7 @@ async def run_all(args):
         connector.close()
         return 0 if ok else 1
     finally:
-        for proc in reversed(started):
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(started)
 
 
 def main():
