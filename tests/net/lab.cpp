@@ -1,5 +1,7 @@
 #include "tests/net/lab.hpp"
 
+#include <gtest/gtest.h>
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -454,6 +456,25 @@ json Worker::cmd(const std::string& line, std::chrono::milliseconds timeout) {
   return j;
 }
 
-void Worker::kill(int signal) { process_->kill(signal); }
+Worker::~Worker() {
+  if (killed_ || !process_) return;
+  try {
+    process_->send_line("quit");
+  } catch (const std::exception&) {
+  }
+  const auto start = Clock::now();
+  const int status = process_->wait(10s);
+  const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  if (!clean || Clock::now() - start >= 10s)
+    ADD_FAILURE()
+        << "worker " << name_ << " did not quit cleanly (wait status " << status << ", after "
+        << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count()
+        << " ms)";
+}
+
+void Worker::kill(int signal) {
+  if (signal == SIGKILL) killed_ = true;
+  process_->kill(signal);
+}
 
 }  // namespace ferry::netlab

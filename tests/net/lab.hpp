@@ -114,6 +114,12 @@ struct WorkerOptions {
 class Worker {
  public:
   Worker(const Lab& lab, int host, std::string name, WorkerOptions options = {});
+  /// Asks the worker to quit (its connector destroyed, whatever happened to its peers) and
+  /// fails the test when it does not exit 0 within 10 s (a hang, a crash, or a leak that a
+  /// sanitizer reports at exit); a worker that was killed is only reaped.
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
   /// Sends one command and returns its JSON answer (throws when none comes within `timeout`).
   json cmd(const std::string& line, std::chrono::milliseconds timeout = std::chrono::seconds(30));
   void kill(int signal);
@@ -126,6 +132,7 @@ class Worker {
   int host_;
   std::unique_ptr<test::ChildProcess> process_;
   json ready_;
+  bool killed_ = false;
 };
 
 }  // namespace ferry::netlab

@@ -21,7 +21,8 @@
 //       it ended, in CLOCK_MONOTONIC milliseconds (the test's steady_clock)
 //   status SLOT   -> {"slot","status"}
 //   drop SLOT     -> {"slot","dropped"}: the handle destroyed (cancelled if live), memory freed
-//   stats         -> {"fds","rss_kb","live","side_channel","detail"}
+//   stats         -> {"fds","rss_kb","live","side_channel","detail","ferry"}: "ferry" is the
+//                    connector's ConnectorStats::to_json()
 //   await_nats STATE MS -> {"side_channel","detail"} once the side channel is STATE (or MS pass)
 //   quit          -> exits 0
 //
@@ -282,6 +283,7 @@ int main(int argc, char** argv) {
         j["fds"] = count_fds();
         j["rss_kb"] = rss_kb();
         j["live"] = connector->stats().live;
+        j["ferry"] = json::parse(connector->stats().to_json(), nullptr, false);
         say(j);
       } else if (cmd == "await_nats") {
         // `name` holds the state wanted here.
