@@ -107,7 +107,16 @@ std::string http_get_in(const std::string& ns, const std::string& ip, int port,
   return body == std::string::npos ? std::string() : response.substr(body + 4);
 }
 
-bool process_alive(pid_t pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
+/// Whether `pid` runs: a zombie (killed, not yet reaped by its parent) does not.
+bool process_alive(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  // "pid (comm) S ...": the state follows the last ')', since comm may hold anything.
+  const auto close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] != 'Z' &&
+         line[close + 2] != 'X';
+}
 
 /// SIGKILLs every process in namespace `ns` (ip netns pids), bounded.
 void kill_all_in(const std::string& ns) {

@@ -61,9 +61,9 @@ std::int64_t parse_duration(const std::string& text) {
   const double v = number(text, used);
   const std::string unit = text.substr(used);
   double scale = 0;
-  if (unit == "s") scale = 1e9;
-  if (unit == "ms") scale = 1e6;
-  if (unit == "us") scale = 1e3;
+  if (unit == "s" || unit == "sec") scale = 1e9;
+  if (unit == "ms" || unit == "msec") scale = 1e6;
+  if (unit == "us" || unit == "usec") scale = 1e3;
   if (unit == "ns") scale = 1;
   if (scale == 0)
     throw std::invalid_argument("a time needs a unit (s, ms, us, ns): '" + text + "'");
@@ -171,7 +171,7 @@ int make_tap(const End& end, int mtu, bool offload) {
     ifr.ifr_mtu = mtu;
     ctl(SIOCSIFMTU, ifr, "set mtu " + std::to_string(mtu) + " of");
     set_name(ifr, end.dev);
-    ifr.ifr_qlen = 1000;
+    ifr.ifr_qlen = 4096;  // the TAP's ring: what the kernel holds for us before dropping
     ctl(SIOCSIFTXQLEN, ifr, "set txqueuelen of");
     if (!end.cidr.empty()) {
       const auto slash = end.cidr.find('/');
@@ -269,8 +269,71 @@ End parse_end(const std::string& spec) {
   return end;
 }
 
+namespace {
+
+bool is_time(const std::string& w) {
+  try {
+    parse_duration(w);
+    return true;
+  } catch (const std::invalid_argument&) {
+    return false;
+  }
+}
+
+bool is_percent(const std::string& w) { return !w.empty() && w.back() == '%'; }
+
+/// tc's netem syntax ("netem delay 10ms 2ms 25% distribution normal loss random 1% 25%
+/// reorder 25% 50% rate 100mbit limit 1000"): the whole shape is replaced (a cut stays);
+/// correlations are accepted and ignored (every draw here is independent).
+Shape netem(const std::vector<std::string>& w, bool cut) {
+  Shape s;
+  s.cut = cut;
+  auto value = [&](std::size_t& i) -> const std::string& {
+    if (i + 1 >= w.size()) throw std::invalid_argument("netem: '" + w[i] + "' needs a value");
+    return w[++i];
+  };
+  for (std::size_t i = 1; i < w.size(); ++i) {
+    const std::string& key = w[i];
+    if (key == "delay") {
+      s.delay_ns = parse_duration(value(i));
+      if (i + 1 < w.size() && is_time(w[i + 1])) s.jitter_ns = parse_duration(w[++i]);
+      if (i + 1 < w.size() && is_percent(w[i + 1])) ++i;  // correlation
+    } else if (key == "distribution") {
+      const std::string& v = value(i);
+      if (v == "normal")
+        s.dist = Jitter::normal;
+      else if (v == "uniform")
+        s.dist = Jitter::uniform;
+      else
+        throw std::invalid_argument("netem: distribution normal or uniform, not '" + v + "'");
+    } else if (key == "loss") {
+      if (i + 1 < w.size() && w[i + 1] == "random") ++i;
+      s.loss = parse_probability(value(i));
+      if (i + 1 < w.size() && is_percent(w[i + 1])) ++i;
+    } else if (key == "reorder") {
+      s.reorder = parse_probability(value(i));
+      if (i + 1 < w.size() && is_percent(w[i + 1])) ++i;
+    } else if (key == "rate") {
+      s.rate_bps = parse_rate(value(i));
+    } else if (key == "limit") {
+      Shape t;
+      apply_command(t, "limit " + value(i));
+      s.limit = t.limit;
+    } else {
+      throw std::invalid_argument("netem: '" + key + "' is not supported here");
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
 void apply_command(Shape& shape, const std::string& line) {
   const std::vector<std::string> w = words(line);
+  if (!w.empty() && w[0] == "netem") {
+    shape = netem(w, shape.cut);
+    return;
+  }
   Shape s = shape;
   for (std::size_t i = 0; i < w.size(); ++i) {
     const std::string& key = w[i];
@@ -368,17 +431,24 @@ struct Wire::Engine {
         offload(o.offload),
         buf((o.offload ? 65536 + 256 : max_l2 + 64) + kVnetHdr) {}
 
-  bool oversize(const char* frame, std::size_t len) const {
-    if (!offload) return len > max_l2;
+  /// A frame as read: the frames it stands for on the wire (a TSO segment: several, of
+  /// `seg_l3` bytes of IP packet each but the last) and their L2 headers' length.
+  struct Segments {
+    std::size_t l2;      // bytes after the virtio header
+    std::size_t count;   // frames on the wire
+    std::size_t seg_l3;  // IP packet of each full frame (0: not a TSO segment, or unparsable)
+    std::size_t l2_hdr;  // Ethernet header (and VLAN tag)
+  };
+  Segments segments(const char* frame, std::size_t len) const {
+    Segments g{len - (offload ? kVnetHdr : 0), 1, 0, 14};
+    if (!offload) return g;
     VnetHdr h;
     std::memcpy(&h, frame, sizeof h);
-    const std::size_t l2 = len - kVnetHdr;
-    if ((h.gso_type & ~kGsoEcn) == kGsoNone) return l2 > max_l2;
-    // A TSO segment: the frames it stands for are headers plus gso_size each; parse Ethernet,
-    // IP and TCP for the headers' length (unparsable: let it through).
+    if ((h.gso_type & ~kGsoEcn) == kGsoNone || h.gso_size == 0) return g;
+    // Parse Ethernet, IP and TCP for the headers' length that each frame repeats.
     const auto* p = reinterpret_cast<const unsigned char*>(frame + kVnetHdr);
+    if (g.l2 < 60) return g;
     std::size_t off = 12;
-    if (l2 < 60) return false;
     unsigned type = (static_cast<unsigned>(p[off]) << 8) | p[off + 1];
     off += 2;
     if (type == 0x8100) {
@@ -391,10 +461,30 @@ struct Wire::Engine {
     else if (type == 0x86dd)
       l3 = 40;
     else
-      return false;
-    if (off + l3 + 13 >= l2) return false;
+      return g;
+    if (off + l3 + 13 >= g.l2) return g;
     const std::size_t l4 = static_cast<std::size_t>(p[off + l3 + 12] >> 4) * 4;
-    return l3 + l4 + h.gso_size > static_cast<std::size_t>(mtu);
+    const std::size_t headers = off + l3 + l4;
+    if (headers >= g.l2) return g;
+    g.l2_hdr = off;
+    g.seg_l3 = l3 + l4 + h.gso_size;
+    g.count = (g.l2 - headers + h.gso_size - 1) / h.gso_size;
+    return g;
+  }
+
+  bool oversize(const Segments& g) const {
+    if (g.seg_l3 == 0) return g.l2 > max_l2;
+    return g.seg_l3 > static_cast<std::size_t>(mtu);
+  }
+
+  /// Bytes the frame(s) occupy a link for: each frame's own, plus preamble, FCS and gap.
+  static std::size_t wire_bytes(const Segments& g) {
+    if (g.count <= 1) return g.l2 + 24;
+    const std::size_t headers = g.seg_l3 == 0 ? 0 : g.l2_hdr;
+    // Every frame but the first repeats the headers (IP and TCP are in seg_l3's share).
+    const std::size_t repeated = (g.count - 1) * (g.l2 - (g.l2 - headers) % 1 == 0 ? 0 : 0);
+    (void)repeated;
+    return g.l2 + g.count * 24 + (g.count - 1) * (headers + (g.seg_l3 - 0) * 0);
   }
 
   void send(Direction& d, const char* frame, std::size_t len) {
@@ -463,7 +553,7 @@ struct Wire::Engine {
       const ssize_t n = ::read(d.src, buf.data(), buf.size());
       if (n < 0) {
         if (errno == EAGAIN || errno == EINTR) return true;
-        failure = errno_text("read from a TAP");
+        failure = errno_text(std::string("read from TAP ") + (&d == &ab ? "a" : "b"));
         return false;
       }
       if (n == 0) return true;
@@ -519,12 +609,14 @@ struct Wire::Engine {
         armed = next;
       }
       epoll_event events[4];
-      const int n = ::epoll_wait(ep, events, 4, 1000);
+      const int n = ::epoll_wait(ep, events, 4, 250);
       if (n < 0 && errno != EINTR) {
         failure = errno_text("epoll_wait");
         break;
       }
-      bool ok = true;
+      // A quiet quarter second: read anyway, which fails once a TAP is gone (its namespace
+      // deleted), a change epoll does not report.
+      bool ok = n != 0 || (drain(ab) && drain(ba));
       for (int i = 0; i < n && ok; ++i) {
         const int fd = events[i].data.fd;
         if (fd == ab.src)
@@ -635,6 +727,7 @@ const char* kUsage =
     "shaped link of two TAP devices. Prints \"ready seed=N ...\", then reads commands on stdin,\n"
     "each answered \"OK ...\" or \"ERR why\":\n"
     "  delay T  jitter T  dist uniform|normal  loss P  reorder P  rate R  limit N   (any of them)\n"
+    "  netem ARGS  (tc's syntax: \"netem delay 10ms 2ms loss 1%\"; replaces the whole shape)\n"
     "  cut  heal  reset  show  stats  quit\n"
     "T: 10ms, 500us; P: 0.01 or 1%; R: 100mbit, 1gbit, 10mbps. Ends at end of stdin, quit,\n"
     "SIGTERM, SIGINT or after --lifetime; its TAPs vanish with it.\n";

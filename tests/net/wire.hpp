@@ -42,13 +42,16 @@ struct Shape {
   double loss = 0;            ///< probability that a frame is dropped
   double reorder = 0;         ///< probability that a frame is sent at once (overtaking others)
   std::int64_t rate_bps = 0;  ///< bits per second; 0: unlimited
-  std::size_t limit = 10000;  ///< frames waiting per direction; more are dropped (counted)
+  std::size_t limit = 1000;   ///< frames waiting per direction; more are dropped (counted)
   bool cut = false;           ///< every frame dropped
 };
 
 /// Applies a control line ("delay 10ms jitter 2ms dist normal loss 1% reorder 0.05 rate
 /// 100mbit limit 1000", "cut", "heal", "reset") to `shape`: named parameters change, the others
-/// stay; "reset" restores an unshaped link (and heals it). Throws std::invalid_argument.
+/// stay; "reset" restores an unshaped link (and heals it). A line in tc's netem syntax ("netem
+/// delay 10ms 2ms loss 1% reorder 25% 50%", what `tc qdisc ... root` would be given) replaces
+/// the whole shape, its correlations ignored. Throws std::invalid_argument; `shape` is then
+/// unchanged.
 void apply_command(Shape& shape, const std::string& line);
 std::string describe(const Shape& shape);
 
