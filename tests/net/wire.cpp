@@ -434,13 +434,13 @@ struct Wire::Engine {
   /// A frame as read: the frames it stands for on the wire (a TSO segment: several, of
   /// `seg_l3` bytes of IP packet each but the last) and their L2 headers' length.
   struct Segments {
-    std::size_t l2;      // bytes after the virtio header
-    std::size_t count;   // frames on the wire
-    std::size_t seg_l3;  // IP packet of each full frame (0: not a TSO segment, or unparsable)
-    std::size_t l2_hdr;  // Ethernet header (and VLAN tag)
+    std::size_t l2;       // bytes after the virtio header
+    std::size_t count;    // frames on the wire
+    std::size_t seg_l3;   // IP packet of each full frame (0: not a TSO segment, or unparsable)
+    std::size_t headers;  // Ethernet, IP and TCP headers, repeated in every frame
   };
   Segments segments(const char* frame, std::size_t len) const {
-    Segments g{len - (offload ? kVnetHdr : 0), 1, 0, 14};
+    Segments g{len - (offload ? kVnetHdr : 0), 1, 0, 0};
     if (!offload) return g;
     VnetHdr h;
     std::memcpy(&h, frame, sizeof h);
@@ -466,7 +466,7 @@ struct Wire::Engine {
     const std::size_t l4 = static_cast<std::size_t>(p[off + l3 + 12] >> 4) * 4;
     const std::size_t headers = off + l3 + l4;
     if (headers >= g.l2) return g;
-    g.l2_hdr = off;
+    g.headers = headers;
     g.seg_l3 = l3 + l4 + h.gso_size;
     g.count = (g.l2 - headers + h.gso_size - 1) / h.gso_size;
     return g;
@@ -479,12 +479,8 @@ struct Wire::Engine {
 
   /// Bytes the frame(s) occupy a link for: each frame's own, plus preamble, FCS and gap.
   static std::size_t wire_bytes(const Segments& g) {
-    if (g.count <= 1) return g.l2 + 24;
-    const std::size_t headers = g.seg_l3 == 0 ? 0 : g.l2_hdr;
-    // Every frame but the first repeats the headers (IP and TCP are in seg_l3's share).
-    const std::size_t repeated = (g.count - 1) * (g.l2 - (g.l2 - headers) % 1 == 0 ? 0 : 0);
-    (void)repeated;
-    return g.l2 + g.count * 24 + (g.count - 1) * (headers + (g.seg_l3 - 0) * 0);
+    if (g.seg_l3 == 0) return g.l2 + 24;
+    return (g.l2 - g.headers) + g.count * (g.headers + 24);
   }
 
   void send(Direction& d, const char* frame, std::size_t len) {
@@ -499,7 +495,8 @@ struct Wire::Engine {
 
   void take(Direction& d, std::size_t len, std::int64_t now) {
     Counters::bump(d.counters.frames_in);
-    if (oversize(buf.data(), len)) {
+    const Segments g = segments(buf.data(), len);
+    if (oversize(g)) {
       Counters::bump(d.counters.oversize);
       return;
     }
@@ -522,7 +519,7 @@ struct Wire::Engine {
     }
     std::int64_t start = now;
     if (shape.rate_bps > 0) {
-      const std::size_t bits = 8 * (len - (offload ? kVnetHdr : 0) + 24);  // + preamble, FCS, gap
+      const std::size_t bits = 8 * wire_bytes(g);
       start = std::max(now, d.busy_until);
       d.busy_until = start + static_cast<std::int64_t>(static_cast<double>(bits) * 1e9 /
                                                        static_cast<double>(shape.rate_bps));
