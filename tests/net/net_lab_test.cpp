@@ -389,9 +389,40 @@ TEST_P(Fault, PartitionMidTransferThenHeal) {
   expect_baseline(b, base_b);
 }
 
+// Host 1 is cut off under a 32 MiB transfer and both sides cancel at once (the handles
+// destroyed): cancel() returns within peer_timeout on both (a few ms here), without waiting for
+// the unreachable peer; healed, the hosts transfer, back at their baseline.
+TEST_P(Fault, CancelDuringPartitionReturnsPromptly) {
+  Worker a(*lab_, 0, "alpha");
+  Worker b(*lab_, 1, "bravo");
+  const Usage base = warm_baseline(a, {&b});
+  const Usage base_b = usage(b);
+  lab_->shape(1, Net::data, kSlowLink);
+  Pairing p = start(b, a, GetParam(), 32 * MiB);
+  ASSERT_TRUE(await_claimed(p)) << "the owner never saw the claim";
+  lab_->set_link(1, Net::both, false);
+  for (Worker* w : {&a, &b}) {
+    const auto t0 = Clock::now();
+    json s = w->cmd("status " + p.slot);
+    EXPECT_EQ(s.value("status", ""), "in_progress") << w->name() << ": " << s.dump();
+    w->cmd("drop " + p.slot);
+    const auto took =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+    std::cout << "[ lab      ] " << w->name() << " cancelled in " << took << " ms" << std::endl;
+    EXPECT_LT(took, kPeerTimeoutMs) << w->name() << ": cancel() waited for the lost peer";
+  }
+  lab_->set_link(1, Net::both, true);
+  lab_->shape(1, Net::data, {});
+  lab_->await_cluster();
+  for (Way way : {Way::read, Way::write}) expect_complete(start(b, a, way, 4 * MiB));
+  expect_baseline(a, base);
+  expect_baseline(b, base_b);
+}
+
 // Host 1 loses power mid-transfer: its links go dark, then every process in it (workers and
 // nats-server) is SIGKILLed, so no FIN or RST ever leaves it. Host 0's side ends PeerLost
-// naming the peer; host 0 goes on with host 2, through the rest of the cluster.
+// naming the peer; host 0 goes on with host 2, through the rest of the cluster, and with a new
+// worker on host 1 once its power is back.
 TEST_P(Fault, PowerLossOfTheOtherHost) {
   Worker a(*lab_, 0, "alpha");
   Worker b(*lab_, 1, "bravo");
@@ -413,6 +444,17 @@ TEST_P(Fault, PowerLossOfTheOtherHost) {
     expect_complete(start(a, c, way, 8 * MiB));
   }
   expect_baseline(a, base);
+  // Power back: host 1's server rejoins, a new worker there (same address, a new listener)
+  // pairs with host 0 both ways.
+  lab_->set_link(1, Net::both, true);
+  lab_->shape(1, Net::data, {});
+  lab_->start_nats(1);
+  lab_->await_cluster();
+  Worker b2(*lab_, 1, "bravo2");
+  for (Way way : {Way::read, Way::write}) {
+    expect_complete(start(b2, a, way, 4 * MiB));
+    expect_complete(start(a, b2, way, 4 * MiB));
+  }
 }
 
 // Host 0's nats-server is killed mid-transfer. Its worker was given every server's URL: it

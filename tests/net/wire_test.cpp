@@ -615,6 +615,7 @@ double tcp_throughput(const std::string& ns_a, const std::string& ns_b, double s
   if (::bind(listener, reinterpret_cast<const sockaddr*>(&at), sizeof at) != 0 ||
       ::listen(listener, 1) != 0)
     return -1;
+  set_timeout(listener, 5s);  // accept() gives up too
   std::atomic<std::uint64_t> received{0};
   std::thread reader([&] {
     const int c = ::accept(listener, nullptr, nullptr);
@@ -629,6 +630,8 @@ double tcp_throughput(const std::string& ns_a, const std::string& ns_b, double s
     ::close(c);
   });
   const int s = socket_in(ns_a, SOCK_STREAM);
+  const timeval send_limit{2, 0};  // a stalled link ends the loop below
+  ::setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &send_limit, sizeof send_limit);
   double mbs = -1;
   if (::connect(s, reinterpret_cast<const sockaddr*>(&at), sizeof at) == 0) {
     std::vector<char> buf(1 << 20, 'x');
