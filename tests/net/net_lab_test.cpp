@@ -363,8 +363,9 @@ std::string way_param(const ::testing::TestParamInfo<Way>& p) {
 }
 
 // Host 1 is cut off (both links down at the switch) while a 32 MiB transfer with host 0 runs;
-// both sides end PeerLost within peer_timeout + slack; healed, the two pair again and transfer,
-// and host 0's worker is back at its baseline.
+// both sides end PeerLost within peer_timeout + slack; healed, nothing more lands in the failed
+// operation's destination, the two pair again and transfer, and both workers are back at their
+// baseline.
 TEST_P(Fault, PartitionMidTransferThenHeal) {
   Worker a(*lab_, 0, "alpha");
   Worker b(*lab_, 1, "bravo");
@@ -378,11 +379,18 @@ TEST_P(Fault, PartitionMidTransferThenHeal) {
   const long long t0 = now_ms();
   expect_ends(a, p.slot, t0, kPeerTimeoutMs + kSlackMs, "PeerLost", "bravo");
   expect_ends(b, p.slot, t0, kPeerTimeoutMs + kSlackMs, "PeerLost", "alpha");
-  a.cmd("drop " + p.slot);
-  b.cmd("drop " + p.slot);
+  // Healed with the failed operations still held: whatever the two kernels retransmit once
+  // the link is back, no byte lands in the destination after its operation failed.
+  Worker& dest = GetParam() == Way::read ? a : b;
+  const std::string before = dest.cmd("hash " + p.slot).value("hash", "");
   lab_->set_link(1, Net::both, true);
   lab_->shape(1, Net::data, {});
   lab_->await_cluster();
+  std::this_thread::sleep_for(1500ms);
+  EXPECT_EQ(dest.cmd("hash " + p.slot).value("hash", ""), before)
+      << dest.name() << ": the destination changed after its operation failed";
+  a.cmd("drop " + p.slot);
+  b.cmd("drop " + p.slot);
   for (Way way : {Way::read, Way::write}) expect_complete(start(b, a, way, 8 * MiB));
   expect_complete(start(c, a, Way::read, 8 * MiB));
   expect_baseline(a, base);

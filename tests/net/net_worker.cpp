@@ -20,6 +20,7 @@
 //       or a writable's bytes against SEED's pattern, once complete) or "-"; "ended_ms": when
 //       it ended, in CLOCK_MONOTONIC milliseconds (the test's steady_clock)
 //   status SLOT   -> {"slot","status"}
+//   hash SLOT     -> {"slot","hash"}: a hash of the operation's local memory (as a string)
 //   drop SLOT     -> {"slot","dropped"}: the handle destroyed (cancelled if live), memory freed
 //   stats         -> {"fds","rss_kb","live","side_channel","detail","ferry"}: "ferry" is the
 //                    connector's ConnectorStats::to_json()
@@ -36,6 +37,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -275,6 +277,21 @@ int main(int argc, char** argv) {
         auto it = slots.find(name);
         if (it == slots.end()) throw std::runtime_error("no slot " + name);
         say({{"slot", name}, {"status", to_string(it->second.op.status())}});
+      } else if (cmd == "hash") {
+        auto it = slots.find(name);
+        if (it == slots.end()) throw std::runtime_error("no slot " + name);
+        // FNV-1a over 8-byte words: enough to see whether any byte changed.
+        const Buffer& m = *it->second.memory;
+        std::uint64_t h = 14695981039346656037ull;
+        std::size_t i = 0;
+        for (; i + 8 <= m.size(); i += 8) {
+          std::uint64_t w;
+          std::memcpy(&w, m.data() + i, 8);
+          h = (h ^ w) * 1099511628211ull;
+        }
+        for (; i < m.size(); ++i)
+          h = (h ^ std::to_integer<std::uint64_t>(m.data()[i])) * 1099511628211ull;
+        say({{"slot", name}, {"hash", std::to_string(h)}});
       } else if (cmd == "drop") {
         slots.erase(name);
         say({{"slot", name}, {"dropped", true}});

@@ -402,13 +402,13 @@ struct Wire::Engine {
     std::vector<Pending> heap;  // min-heap on (due, order)
     std::int64_t busy_until = 0;
     Counters counters;
+    Shape shape;
   };
   static bool later(const Pending& x, const Pending& y) {
     return x.due != y.due ? x.due > y.due : x.order > y.order;
   }
 
   Direction ab, ba;
-  Shape shape;
   std::mt19937_64 rng;
   std::uniform_real_distribution<double> unit{0.0, 1.0};
   std::normal_distribution<double> gauss{0.0, 1.0};
@@ -422,9 +422,8 @@ struct Wire::Engine {
   std::string failure;  // set by the thread before it ends, read after (under Wire::mutex_)
 
   Engine(int a, int b, const Options& o, std::uint64_t seed)
-      : ab{a, b, {}, 0, {}},
-        ba{b, a, {}, 0, {}},
-        shape(o.shape),
+      : ab{a, b, {}, 0, {}, o.shape},
+        ba{b, a, {}, 0, {}, o.shape},
         rng(seed),
         max_l2(static_cast<std::size_t>(o.mtu) + 18),
         mtu(o.mtu),
@@ -494,6 +493,7 @@ struct Wire::Engine {
   }
 
   void take(Direction& d, std::size_t len, std::int64_t now) {
+    const Shape& shape = d.shape;
     Counters::bump(d.counters.frames_in);
     const Segments g = segments(buf.data(), len);
     if (oversize(g)) {
@@ -576,7 +576,7 @@ struct Wire::Engine {
     return next;
   }
 
-  void run(int wake, std::mutex& mutex, const Shape& shared) {
+  void run(int wake, std::mutex& mutex, const Shape& shared_ab, const Shape& shared_ba) {
     ::prctl(PR_SET_TIMERSLACK, 1UL);
     const int ep = ::epoll_create1(EPOLL_CLOEXEC);
     const int timer = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
@@ -625,7 +625,8 @@ struct Wire::Engine {
           [[maybe_unused]] const ssize_t r = ::read(fd, &v, sizeof v);
           if (fd == wake && reshape.exchange(false)) {
             std::lock_guard lock(mutex);
-            shape = shared;
+            ab.shape = shared_ab;
+            ba.shape = shared_ba;
           }
         }
       }
@@ -641,6 +642,7 @@ struct Wire::Engine {
 
 Wire::Wire(Options options) : options_(std::move(options)) {
   seed_ = options_.seed;
+  shape_ab_ = shape_ba_ = options_.shape;
   if (seed_ == 0)
     seed_ = (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^
             static_cast<std::uint64_t>(now_ns());
@@ -659,7 +661,7 @@ Wire::Wire(Options options) : options_(std::move(options)) {
   }
   engine_ = std::make_unique<Engine>(tap_a_, tap_b_, options_, seed_);
   thread_ = std::thread([this] {
-    engine_->run(wake_, mutex_, options_.shape);
+    engine_->run(wake_, mutex_, shape_ab_, shape_ba_);
     std::lock_guard lock(mutex_);
     if (engine_->failure.empty() && !engine_->stop.load()) engine_->failure = "stopped";
     failure_ = engine_->failure;
@@ -674,25 +676,41 @@ Wire::~Wire() {
   for (int fd : {tap_a_, tap_b_, wake_}) ::close(fd);
 }
 
-void Wire::set_shape(const Shape& shape) {
+void Wire::set_shape(const Shape& shape, Dir dir) {
   {
     std::lock_guard lock(mutex_);
-    options_.shape = shape;
+    if (dir != Dir::b_to_a) shape_ab_ = shape;
+    if (dir != Dir::a_to_b) shape_ba_ = shape;
   }
   engine_->reshape.store(true);
   const std::uint64_t one = 1;
   [[maybe_unused]] const ssize_t n = ::write(wake_, &one, sizeof one);
 }
 
-Shape Wire::shape() const {
+Shape Wire::shape(Dir dir) const {
   std::lock_guard lock(mutex_);
-  return options_.shape;
+  return dir == Dir::b_to_a ? shape_ba_ : shape_ab_;
 }
 
 void Wire::command(const std::string& line) {
-  Shape s = shape();
-  apply_command(s, line);
-  set_shape(s);
+  const std::vector<std::string> w = words(line);
+  Dir dir = Dir::both;
+  std::string rest = line;
+  if (!w.empty() && (w[0] == "a>b" || w[0] == "b>a")) {
+    dir = w[0] == "a>b" ? Dir::a_to_b : Dir::b_to_a;
+    rest = line.substr(line.find(w[0]) + 3);
+  }
+  // Each direction changes from its own shape; both are checked before either is set.
+  Shape ab = shape(Dir::a_to_b), ba = shape(Dir::b_to_a);
+  if (dir != Dir::b_to_a) apply_command(ab, rest);
+  if (dir != Dir::a_to_b) apply_command(ba, rest);
+  if (dir != Dir::b_to_a) set_shape(ab, Dir::a_to_b);
+  if (dir != Dir::a_to_b) set_shape(ba, Dir::b_to_a);
+}
+
+std::string Wire::describe_shape() const {
+  const std::string ab = describe(shape(Dir::a_to_b)), ba = describe(shape(Dir::b_to_a));
+  return ab == ba ? ab : "a>b " + ab + " ; b>a " + ba;
 }
 
 DirStats Wire::stats_a_to_b() const { return engine_->ab.counters.snapshot(); }
@@ -725,6 +743,7 @@ const char* kUsage =
     "each answered \"OK ...\" or \"ERR why\":\n"
     "  delay T  jitter T  dist uniform|normal  loss P  reorder P  rate R  limit N   (any of them)\n"
     "  netem ARGS  (tc's syntax: \"netem delay 10ms 2ms loss 1%\"; replaces the whole shape)\n"
+    "  a>b ...  b>a ...  (prefix: one direction only; else both)\n"
     "  cut  heal  reset  show  stats  quit\n"
     "T: 10ms, 500us; P: 0.01 or 1%; R: 100mbit, 1gbit, 10mbps. Ends at end of stdin, quit,\n"
     "SIGTERM, SIGINT or after --lifetime; its TAPs vanish with it.\n";
@@ -791,7 +810,7 @@ int wire_main(int argc, char** argv) {
   }
   say("ready seed=" + std::to_string(wire->seed()) + " a=" + o.a.ns + ":" + o.a.dev +
       " b=" + o.b.ns + ":" + o.b.dev + " mtu=" + std::to_string(o.mtu) +
-      (o.offload ? " offload" : "") + " " + describe(wire->shape()));
+      (o.offload ? " offload" : "") + " " + wire->describe_shape());
 
   const std::int64_t end =
       lifetime_s > 0 ? now_ns() + static_cast<std::int64_t>(lifetime_s * 1e9) : INT64_MAX;
@@ -828,11 +847,11 @@ int wire_main(int argc, char** argv) {
       } else if (w[0] == "stats") {
         say("OK " + wire->stats_json());
       } else if (w[0] == "show") {
-        say("OK " + describe(wire->shape()));
+        say("OK " + wire->describe_shape());
       } else {
         try {
           wire->command(line);
-          say("OK " + describe(wire->shape()));
+          say("OK " + wire->describe_shape());
         } catch (const std::exception& e) {
           say(std::string("ERR ") + e.what());
         }

@@ -34,7 +34,7 @@ End parse_end(const std::string& spec);
 
 enum class Jitter { uniform, normal };
 
-/// How frames are shaped; the same in both directions.
+/// How frames are shaped in one direction.
 struct Shape {
   std::int64_t delay_ns = 0;   ///< one-way delay
   std::int64_t jitter_ns = 0;  ///< uniform: ±jitter; normal: sigma = jitter, bounded at ±3 sigma
@@ -54,6 +54,8 @@ struct Shape {
 /// unchanged.
 void apply_command(Shape& shape, const std::string& line);
 std::string describe(const Shape& shape);
+
+enum class Dir { both, a_to_b, b_to_a };
 
 /// Counters of one direction (a to b or b to a).
 struct DirStats {
@@ -93,10 +95,13 @@ class Wire {
   Wire& operator=(const Wire&) = delete;
 
   /// Changes the shaping from now on (frames already waiting keep their time).
-  void set_shape(const Shape& shape);
-  Shape shape() const;
-  /// apply_command() on the current shape.
+  void set_shape(const Shape& shape, Dir dir = Dir::both);
+  Shape shape(Dir dir = Dir::a_to_b) const;
+  /// apply_command() on each direction's current shape; a line that starts with "a>b" or
+  /// "b>a" changes that direction only. Throws std::invalid_argument (nothing changed).
   void command(const std::string& line);
+  /// describe() of the shape, or of each direction's ("a>b ... ; b>a ...") when they differ.
+  std::string describe_shape() const;
   std::uint64_t seed() const { return seed_; }
   DirStats stats_a_to_b() const;
   DirStats stats_b_to_a() const;
@@ -112,6 +117,7 @@ class Wire {
   int tap_a_ = -1, tap_b_ = -1;
   int wake_ = -1;  // eventfd: a new shape, or stop
   mutable std::mutex mutex_;
+  Shape shape_ab_, shape_ba_;  // under mutex_; the engine copies them when woken
   std::string failure_;
   std::unique_ptr<Engine> engine_;
   std::thread thread_;

@@ -481,6 +481,29 @@ TEST_F(WireTest, RoundTripIsTwiceTheDelay) {
   EXPECT_GT(rtt.back() - rtt.front(), 0.5);
 }
 
+TEST_F(WireTest, EachDirectionCanBeShapedAlone) {
+  start();
+  const std::string answer = wire_->cmd("a>b delay 10ms");
+  EXPECT_EQ(answer.rfind("OK a>b delay 10ms", 0), 0u) << answer;
+  EXPECT_NE(answer.find("; b>a delay 0ms"), std::string::npos) << answer;
+  std::vector<double> rtt = pings(10);
+  ASSERT_GT(rtt.front(), 0);
+  EXPECT_GE(rtt.front(), 10.0);
+  EXPECT_LT(rtt.front(), 19.0) << "the way back was delayed too";
+  shape("b>a delay 5ms");
+  rtt = pings(10);
+  ASSERT_GT(rtt.front(), 0);
+  EXPECT_GE(rtt.front(), 15.0);
+  // A one-way cut: the requests pass (counted at b), no answer comes back.
+  shape("b>a cut");
+  const std::size_t before = echo_->count();
+  EXPECT_LT(ping(300ms), 0);
+  EXPECT_EQ(echo_->count(), before + 1) << "the request did not reach b";
+  EXPECT_EQ(wire_->cmd("b>a loss 2").rfind("ERR ", 0), 0u);
+  shape("heal");
+  EXPECT_GT(ping(1s), 0);
+}
+
 TEST_F(WireTest, LossIsTheProbability) {
   start();
   shape("loss 1%");
