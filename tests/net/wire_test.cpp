@@ -741,9 +741,14 @@ TEST_P(WireTcp, StreamArrivesIntactThroughAShapedLink) {
   std::printf("16 MiB through delay 2ms jitter 1ms loss 0.5%% reorder 5%%, %s: %.1f s\n",
               GetParam() ? "offload" : "frames",
               std::chrono::duration<double>(Clock::now() - t0).count());
+  // The shaping acted: frames were reordered, and lost where there were enough of them to
+  // make a loss certain (with offload a few hundred 64 KiB segments may all pass).
   const std::string stats = wire_->cmd("stats");
-  EXPECT_GT(stat(stats, "a_to_b", "lost"), 0u) << stats;
-  EXPECT_GT(stat(stats, "a_to_b", "reordered"), 0u) << stats;
+  auto both = [&](const char* key) {
+    return stat(stats, "a_to_b", key) + stat(stats, "b_to_a", key);
+  };
+  EXPECT_GT(both("reordered"), 0u) << stats;
+  if (both("in") >= 4000) EXPECT_GT(both("lost"), 0u) << stats;
 }
 
 INSTANTIATE_TEST_SUITE_P(Offload, WireTcp, ::testing::Bool());
