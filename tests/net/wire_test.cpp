@@ -748,7 +748,9 @@ TEST_P(WireTcp, StreamArrivesIntactThroughAShapedLink) {
     return stat(stats, "a_to_b", key) + stat(stats, "b_to_a", key);
   };
   EXPECT_GT(both("reordered"), 0u) << stats;
-  if (both("in") >= 4000) EXPECT_GT(both("lost"), 0u) << stats;
+  if (both("in") >= 4000) {
+    EXPECT_GT(both("lost"), 0u) << stats;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Offload, WireTcp, ::testing::Bool());
