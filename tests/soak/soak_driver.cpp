@@ -400,6 +400,7 @@ class Lane {
 
   void run() {
     try {
+      create_own_region();
       start_worker();
       while (!should_stop()) one();
     } catch (const std::exception& e) {
@@ -412,6 +413,7 @@ class Lane {
       worker_->wait(10s);
       worker_.reset();
     }
+    own_region_.close();
   }
 
  private:
@@ -422,7 +424,9 @@ class Lane {
     we_write,
     region_read_blocks,
     region_write_blocks,
-    region_read_range
+    region_read_range,
+    own_region_worker_reads,
+    own_region_worker_writes
   };
   static const char* name(Kind k) {
     switch (k) {
@@ -440,6 +444,10 @@ class Lane {
         return "region-write-blocks";
       case Kind::region_read_range:
         return "region-read-range";
+      case Kind::own_region_worker_reads:
+        return "our-region-worker-reads-blocks";
+      case Kind::own_region_worker_writes:
+        return "our-region-worker-writes-blocks";
     }
     return "?";
   }
@@ -475,9 +483,11 @@ class Lane {
     p.seed = rng_() | 1;
     if (uniform() < s_.cfg.p_region) {
       double r = uniform();
-      p.kind = r < 0.4   ? Kind::region_read_blocks
-               : r < 0.8 ? Kind::region_write_blocks
-                         : Kind::region_read_range;
+      p.kind = r < 0.25  ? Kind::region_read_blocks
+               : r < 0.5 ? Kind::region_write_blocks
+               : r < 0.6 ? Kind::region_read_range
+               : r < 0.8 ? Kind::own_region_worker_reads
+                         : Kind::own_region_worker_writes;
     } else {
       p.kind = static_cast<Kind>(rng_() % 4);
       p.size = log_uniform(1, static_cast<double>(s_.cfg.max_size));
@@ -505,7 +515,9 @@ class Lane {
     // side has a long one or none.
     const bool fault =
         p.faults.cancel || p.faults.worker_cancel || p.faults.kill || p.faults.short_deadline;
-    const bool we_are_passive = p.kind == Kind::worker_reads || p.kind == Kind::worker_writes;
+    const bool we_are_passive = p.kind == Kind::worker_reads || p.kind == Kind::worker_writes ||
+                                p.kind == Kind::own_region_worker_reads ||
+                                p.kind == Kind::own_region_worker_writes;
     auto deadline = [&](bool is_short, bool passive) -> long long {
       if (is_short) return static_cast<long long>(log_uniform(1, 500));
       if (fault) return kFaultDeadlineMs;
@@ -617,6 +629,10 @@ class Lane {
       case Kind::we_read:
       case Kind::we_write:
         we_active(p);
+        break;
+      case Kind::own_region_worker_reads:
+      case Kind::own_region_worker_writes:
+        own_region(p);
         break;
       default:
         region(p);
@@ -786,6 +802,93 @@ class Lane {
     finish(p, mine, theirs, began, killed);
   }
 
+  /// Log-uniform many of `blocks` blocks: a run, or as many scattered, in ascending order.
+  std::vector<std::uint64_t> choose_blocks(std::uint64_t blocks) {
+    std::vector<std::uint64_t> ids;
+    std::uint64_t n = log_uniform(1, static_cast<double>(blocks));
+    if (uniform() < 0.5) {
+      std::uint64_t first = rng_() % (blocks - n + 1);
+      for (std::uint64_t i = 0; i < n; ++i) ids.push_back(first + i);
+    } else {
+      std::vector<std::uint64_t> all(blocks);
+      for (std::uint64_t i = 0; i < blocks; ++i) all[i] = i;
+      std::shuffle(all.begin(), all.end(), rng_);
+      ids.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(n));
+      std::sort(ids.begin(), ids.end());
+    }
+    return ids;
+  }
+
+  /// This lane's own region (read_write, served at a subject), which its workers attach to,
+  /// one after another as they are killed and restarted: the long-lived owner's side.
+  void create_own_region() {
+    const std::size_t size = s_.cfg.region_size;
+    own_memory_ = ferry::test::filled(size, std::byte{0});
+    const std::uint64_t seed = rng_() | 1;
+    ferry::test::fill_pattern(own_memory_.get(), size, seed);
+    own_shadow_.assign(size / s_.cfg.block_size, seed);
+    own_subject_ = s_.prefix + ".own.l" + std::to_string(index_);
+    RegionOptions ro;
+    ro.access = RegionAccess::read_write;
+    ro.block_size = s_.cfg.block_size;
+    ro.subject = own_subject_;
+    ro.queue_events = false;
+    own_region_ = s_.connector.create_region({Descriptor(own_memory_.get(), size)}, ro);
+  }
+
+  /// The worker reads or writes blocks of this lane's region (attached by subject). It checks
+  /// what it reads against the patterns this side knows; what it wrote is checked here, in
+  /// the region's memory, once its write completed (its bytes are then in place).
+  void own_region(Plan p) {
+    const std::uint64_t bs = s_.cfg.block_size;
+    const bool writes = p.kind == Kind::own_region_worker_writes;
+    std::vector<std::uint64_t> ids = choose_blocks(own_shadow_.size());
+    p.size = ids.size() * bs;
+    std::string list;
+    std::uint64_t known = 0;
+    for (auto id : ids) {
+      list += (list.empty() ? "" : ",") + std::to_string(id) + ":" +
+              std::to_string(writes ? p.seed : own_shadow_[id]);
+      if (own_shadow_[id] != 0) known += bs;
+      // A write that does not complete may have landed in part.
+      if (writes) own_shadow_[id] = 0;
+    }
+    const long long bound = bound_ms(p.worker_timeout_ms);
+    const auto began = Clock::now();
+    worker_->send_line(std::string("blocks ") + (writes ? "write " : "read ") + own_subject_ + " " +
+                       std::to_string(p.worker_timeout_ms) + " " +
+                       std::to_string(p.worker_cancel_ms) + " " + std::to_string(bound) + " " +
+                       std::to_string(p.seed) + " " + list);
+    Faults f = p.faults;
+    if (p.kill_ms >= 0) {
+      std::this_thread::sleep_for(milliseconds(p.kill_ms));
+      kill_worker();
+      f.nats = s_.outages.overlaps(began, Clock::now(), 5s);
+      s_.tally.ended("worker", name(p.kind), ending("killed"), f, context(p));
+      start_worker();
+      return;
+    }
+    Ending w = worker_end(p, bound);
+    w.verified = 0;
+    if (w.status == "complete" && writes) {
+      long long bad = -1;
+      for (std::size_t j = 0; j < ids.size() && bad < 0; ++j) {
+        long long m =
+            ferry::test::first_mismatch(own_memory_.get() + ids[j] * bs, bs, p.seed, ids[j] * bs);
+        if (m >= 0) bad = static_cast<long long>(ids[j] * bs) + m;
+      }
+      w.check = bad < 0 ? "ok" : "corrupt@" + std::to_string(bad);
+      if (bad < 0) {
+        w.verified = p.size;
+        for (auto id : ids) own_shadow_[id] = p.seed;
+      }
+    } else if (w.check == "ok") {
+      w.verified = known;
+    }
+    f.nats = s_.outages.overlaps(began, Clock::now(), 5s);
+    s_.tally.ended("worker", name(p.kind), w, f, context(p));
+  }
+
   /// A transfer on the worker's region, attached by subject (once per worker and whenever
   /// the attachment has ended). Blocks written are remembered by seed, so that every read
   /// checks each byte whose content is known; a write that did not complete leaves its
@@ -817,19 +920,8 @@ class Lane {
       ranges.push_back({offset, length});
       p.size = length;
     } else {
-      std::uint64_t n = log_uniform(1, static_cast<double>(blocks));
-      if (uniform() < 0.5) {
-        std::uint64_t first = rng_() % (blocks - n + 1);
-        for (std::uint64_t i = 0; i < n; ++i) ids.push_back(first + i);
-      } else {
-        // Scattered: n distinct blocks, in ascending order.
-        std::vector<std::uint64_t> all(blocks);
-        for (std::uint64_t i = 0; i < blocks; ++i) all[i] = i;
-        std::shuffle(all.begin(), all.end(), rng_);
-        ids.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(n));
-        std::sort(ids.begin(), ids.end());
-      }
-      p.size = n * bs;
+      ids = choose_blocks(blocks);
+      p.size = ids.size() * bs;
     }
     std::byte* data = buffer_.get();
     const bool writes = p.kind == Kind::region_write_blocks;
@@ -903,6 +995,10 @@ class Lane {
   std::uint64_t region_seed_ = 0;
   std::vector<std::uint64_t> shadow_;  // per block: the seed of its pattern, 0: unknown
   Attachment attachment_;
+  std::unique_ptr<std::byte[]> own_memory_;  // this lane's region
+  std::vector<std::uint64_t> own_shadow_;
+  std::string own_subject_;
+  Region own_region_;
   std::vector<Operation> graveyard_;  // lost operations, never destroyed (that would cancel)
   std::vector<std::unique_ptr<std::byte[]>> graveyard_memory_;
 };

@@ -13,6 +13,10 @@
 //        it after CANCEL_MS (-1: never); a writable that completed is checked against SEED
 //   active KIND SUBJ SIZE SEED TIMEOUT_MS CANCEL_MS BOUND_MS -> END ...   read from (KIND
 //        read, checked against SEED) or write SEED's pattern into the operation at SUBJ
+//   blocks KIND SUBJ TIMEOUT_MS CANCEL_MS BOUND_MS SEED ID:SEED,ID:SEED,... -> END ...
+//        attach (once) to the driver's region served at SUBJ and read the blocks ID (each
+//        checked against its SEED's pattern at its offset, 0: unknown, not checked) or write
+//        SEED's pattern into them (KIND read|write)
 //   quit
 //
 //   END <status> <code|-> <method|-> <check> <latency_us> <message...>
@@ -26,7 +30,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -68,7 +74,8 @@ struct Slot {
 
 class Worker {
  public:
-  Worker(Connector& connector) : connector_(connector) {}
+  Worker(Connector& connector, std::uint64_t block_size)
+      : connector_(connector), block_size_(block_size) {}
 
   void passive(std::istringstream& in) {
     std::string kind, subject;
@@ -102,6 +109,56 @@ class Worker {
     finish(seed, kind_ == "write", cancel_ms, bound_ms);
   }
 
+  /// A block transfer on the driver's region at SUBJ, attached once (again once ended).
+  void blocks(std::istringstream& in) {
+    std::string kind, subject, list;
+    long long timeout_ms = 0, cancel_ms = -1, bound_ms = 0;
+    std::uint64_t seed = 0;
+    in >> kind >> subject >> timeout_ms >> cancel_ms >> bound_ms >> seed >> list;
+    std::vector<std::uint64_t> ids, seeds;
+    std::istringstream items(list);
+    for (std::string item; std::getline(items, item, ',');) {
+      auto colon = item.find(':');
+      ids.push_back(std::strtoull(item.substr(0, colon).c_str(), nullptr, 10));
+      seeds.push_back(std::strtoull(item.substr(colon + 1).c_str(), nullptr, 10));
+    }
+    Attachment& att = attachments_[subject];
+    if (!att || att.state() == Attachment::State::detached) {
+      AttachOptions ao;
+      ao.timeout = std::chrono::seconds(10);
+      att = connector_.attach(Subject(subject), ao);
+    }
+    const std::size_t size = ids.size() * block_size_;
+    std::byte* data = slot_.get(size);
+    kind_ = kind;
+    size_ = size;
+    data_ = data;
+    started_ = Clock::now();
+    TransferOptions t;
+    t.timeout = std::chrono::milliseconds(timeout_ms);
+    if (kind == "write") {
+      for (std::size_t j = 0; j < ids.size(); ++j)
+        ferry::test::fill_pattern(data + j * block_size_, block_size_, seed, ids[j] * block_size_);
+      op_ = att.write_blocks({Descriptor(data, size)}, ids, t);
+      finish_with({}, cancel_ms, bound_ms);
+      return;
+    }
+    std::fill_n(data, size, std::byte{0});
+    op_ = att.read_blocks(ids, {Descriptor(data, size)}, t);
+    // Every block whose content the driver knows (its seed is not 0) is checked.
+    finish_with(
+        [&] {
+          for (std::size_t j = 0; j < ids.size(); ++j) {
+            if (seeds[j] == 0) continue;
+            long long bad = ferry::test::first_mismatch(data + j * block_size_, block_size_,
+                                                        seeds[j], ids[j] * block_size_);
+            if (bad >= 0) return static_cast<long long>(j * block_size_) + bad;
+          }
+          return -1LL;
+        },
+        cancel_ms, bound_ms);
+  }
+
   void active(std::istringstream& in) {
     std::string kind, subject;
     std::size_t size = 0;
@@ -127,6 +184,17 @@ class Worker {
 
  private:
   void finish(std::uint64_t seed, bool check, long long cancel_ms, long long bound_ms) {
+    finish_with(check ? std::function<long long()>([this, seed] {
+                  return ferry::test::first_mismatch(data_, size_, seed);
+                })
+                      : std::function<long long()>(),
+                cancel_ms, bound_ms);
+  }
+
+  /// Waits for the operation as finish() does; `check` (when set) returns the offset of the
+  /// first wrong byte of a completed transfer, or -1.
+  void finish_with(const std::function<long long()>& check, long long cancel_ms,
+                   long long bound_ms) {
     using std::chrono::milliseconds;
     OperationStatus s = op_.status();
     if (cancel_ms >= 0) {
@@ -150,7 +218,7 @@ class Worker {
     }
     std::string verdict = "-";
     if (s == OperationStatus::complete && check) {
-      long long bad = ferry::test::first_mismatch(data_, size_, seed);
+      long long bad = check();
       verdict = bad < 0 ? "ok" : "corrupt@" + std::to_string(bad);
     }
     auto error = op_.error();
@@ -163,6 +231,8 @@ class Worker {
   }
 
   Connector& connector_;
+  std::uint64_t block_size_;
+  std::map<std::string, Attachment> attachments_;  // to the driver's region, by subject
   Slot slot_;
   Operation op_;
   std::string kind_;
@@ -213,7 +283,7 @@ int main(int argc, char** argv) {
     if (m.available) methods += (methods.empty() ? "" : ",") + m.method;
   say("HELLO " + std::to_string(::getpid()) + " " + methods);
 
-  Worker worker(connector);
+  Worker worker(connector, block_size);
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
@@ -224,6 +294,8 @@ int main(int argc, char** argv) {
         worker.passive(in);
       } else if (cmd == "end") {
         worker.end(in);
+      } else if (cmd == "blocks") {
+        worker.blocks(in);
       } else if (cmd == "active") {
         worker.active(in);
       } else if (cmd == "quit") {
