@@ -103,7 +103,7 @@ class Lab {
 /// What a worker is started with (ferry_net_worker's flags).
 struct WorkerOptions {
   std::string transports = "tcp";
-  int peer_timeout_ms = 1000;
+  int peer_timeout_ms = 2000;  ///< ferry's default
   int subject_timeout_ms = 10000;
   bool bind_data = true;    ///< the tcp listener on the data network (else: NATS's address)
   int nats_host = -1;       ///< the server tried first; -1: the worker's own host's

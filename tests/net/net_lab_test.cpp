@@ -35,7 +35,15 @@ using netlab::Worker;
 using netlab::WorkerOptions;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kPeerTimeoutMs = 1000;
+const int kPeerTimeoutMs = WorkerOptions{}.peer_timeout_ms;
+// Workers of the cases without a fault: a peer slowed down by a sanitizer on a loaded machine
+// must not read as lost (with 1 s, a 256 MiB write under ThreadSanitizer on 2 cores at a load
+// of 8 once ended PeerLost on a clean link).
+WorkerOptions steady() {
+  WorkerOptions o;
+  o.peer_timeout_ms = 5000;
+  return o;
+}
 // Room for the watchdog's granularity, a loaded 2-core machine and the pipe to the worker.
 constexpr int kSlackMs = 3000;
 constexpr std::size_t KiB = 1024;
@@ -235,9 +243,9 @@ class CleanLink : public NetLab, public ::testing::WithParamInterface<int> {
 };
 
 TEST_P(CleanLink, EverySizeBothPairingsAcrossHosts) {
-  Worker a(*lab_, 0, "alpha");
-  Worker b(*lab_, 1, "bravo");
-  Worker c(*lab_, 2, "charlie");
+  Worker a(*lab_, 0, "alpha", steady());
+  Worker b(*lab_, 1, "bravo", steady());
+  Worker c(*lab_, 2, "charlie", steady());
   for (std::size_t size : {std::size_t{1}, 4 * KiB, MiB + 7, 64 * MiB, 256 * MiB}) {
     SCOPED_TRACE("size " + std::to_string(size));
     // A reads B's readable; C writes A's writable: three hosts, three servers.
@@ -271,8 +279,8 @@ TEST_P(ShapedLink, TransfersCompleteVerified) {
   const Shape& shape = GetParam();
   if (shape.qdisc.front() == "netem")
     if (std::string why = lab_->netem_missing(); !why.empty()) GTEST_SKIP() << why;
-  Worker a(*lab_, 0, "alpha");
-  Worker b(*lab_, 1, "bravo");
+  Worker a(*lab_, 0, "alpha", steady());
+  Worker b(*lab_, 1, "bravo", steady());
   lab_->shape(1, Net::both, shape.qdisc);
   for (std::size_t size : shape.sizes) {
     SCOPED_TRACE("size " + std::to_string(size));
@@ -303,7 +311,7 @@ INSTANTIATE_TEST_SUITE_P(
 // reached.
 
 TEST_F(NetLab, CmaBetweenTwoProcessesOfOneHost) {
-  WorkerOptions o;
+  WorkerOptions o = steady();
   o.transports = "tcp,cma";
   Worker a(*lab_, 0, "alpha", o);
   Worker a2(*lab_, 0, "alpha2", o);
@@ -318,7 +326,7 @@ TEST_F(NetLab, CmaBetweenTwoProcessesOfOneHost) {
 }
 
 TEST_F(NetLab, CmaAcrossNamespacesFallsBackToTcp) {
-  WorkerOptions o;
+  WorkerOptions o = steady();
   o.transports = "tcp,cma";
   Worker a(*lab_, 0, "alpha", o);
   Worker b(*lab_, 1, "bravo", o);
