@@ -12,7 +12,9 @@
 //    again is refused AccessDenied;
 //  - a transfer started on a revoked attachment before the peer heard of the revocation (the
 //    peer's loop held meanwhile): the grant refuses it, no copy runs and no handle is opened;
-//  - ranges outside the region: refused AccessDenied, and nothing of them moves.
+//  - ranges outside the region: refused AccessDenied, and nothing of them moves;
+//  - an owner that states a larger allocation than its handle opens: refused ProtocolError,
+//    so no copy lands past the peer's mapping.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -296,6 +298,7 @@ class Owner {
 ///   quit
 TEST(CudaIpcRegionOwner, DISABLED_Serve) {
   Owner owner;
+  std::vector<std::unique_ptr<test::Memory>> handed;
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream in(line);
@@ -329,6 +332,25 @@ TEST(CudaIpcRegionOwner, DISABLED_Serve) {
       std::uint64_t seed = 0;
       in >> at >> len >> seed;
       answer = "AT " + std::to_string(owner.check(at, len, seed));
+    } else if (command == "handle") {
+      // An allocation of ours and its legacy IPC handle, for IpcImports to open as it comes.
+      std::size_t size = 0;
+      in >> size;
+      auto& m = handed.emplace_back(std::make_unique<test::Memory>(0, size));
+      const auto base = reinterpret_cast<std::uint64_t>(m->data());
+      CUipcMemHandle handle{};
+      CUdevice dev = 0;
+      CUcontext ctx = nullptr;
+      CUresult rc = test::api().device_get(&dev, 0);
+      if (rc == CUDA_SUCCESS) rc = test::api().device_primary_ctx_retain(&ctx, dev);
+      if (rc == CUDA_SUCCESS) {
+        cuda::ScopedContext scope(test::api(), ctx);
+        rc = test::api().ipc_get_mem_handle(&handle, base);
+      }
+      if (ctx != nullptr) (void)test::api().device_primary_ctx_release(dev);
+      answer = rc == CUDA_SUCCESS ? "HANDLE " + std::to_string(base) + " " +
+                                        hex_of(std::string(handle.reserved, sizeof handle.reserved))
+                                  : "NOHANDLE " + std::to_string(rc);
     } else if (command == "events") {
       std::uint64_t id = 0;
       in >> id;
@@ -908,6 +930,43 @@ TEST_F(CudaIpcRegion, RangesOutsideTheRegionAreRefusedAndMoveNothing) {
   expect_complete(after.wait(), "a read after");
   EXPECT_EQ(test::first_mismatch(warm.data(), kPage, 71, kOff + kSize - kPage), -1);
   EXPECT_EQ(alog.state(), AttachLog::attached);
+}
+
+// ---------------------------------------------------------------------------------------
+
+TEST_F(CudaIpcRegion, AnOwnerStatingALargerAllocationThanItsHandleOpensIsRefused) {
+  constexpr std::size_t kSize = 1u << 20;
+  std::istringstream in(ask("handle " + std::to_string(kSize)));
+  std::string word, hex;
+  std::uint64_t base = 0;
+  in >> word >> base >> hex;
+  ASSERT_EQ(word, "HANDLE");
+  const std::string bytes = text_of(hex);
+  cuda_ipc::IpcRange range;
+  range.base = base;
+  range.kind = cuda_ipc::IpcKind::legacy;
+  ASSERT_EQ(bytes.size(), range.handle.size());
+  std::memcpy(range.handle.data(), bytes.data(), bytes.size());
+
+  // What the owner states, never trusted: four times its allocation, and nearly 2^64 bytes.
+  for (std::uint64_t lie : {std::uint64_t{4} * kSize, ~std::uint64_t{0} - base}) {
+    cuda_ipc::IpcImports imports(test::api());
+    range.size = lie;
+    try {
+      imports.open({range}, 0, {});
+      ADD_FAILURE() << "a handle stated as " << lie << " bytes was opened";
+      EXPECT_EQ(imports.translate(base + kSize, 4096).at, nullptr)
+          << "a copy would land past the mapping";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::ProtocolError) << e.what();
+    }
+  }
+  // The truth opens, and reaches to the allocation's end and no further.
+  cuda_ipc::IpcImports imports(test::api());
+  range.size = kSize;
+  imports.open({range}, 0, {});
+  EXPECT_NE(imports.translate(base + kSize - 4096, 4096).at, nullptr);
+  EXPECT_EQ(imports.translate(base + kSize - 4096, 4097).at, nullptr);
 }
 
 }  // namespace

@@ -4,6 +4,9 @@
 // CudaIpcChild.DISABLED_Serve, which takes commands on stdin and answers on stdout.
 #include <dlfcn.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,7 +26,9 @@
 #include "tests/cuda/device_memory.hpp"
 #include "tests/cuda/peer_child.hpp"
 #include "tests/cuda/simulated_driver.hpp"
+#include "tests/support/raw_peer.hpp"
 #include "tests/support/util.hpp"
+#include "transport/token.hpp"
 
 namespace ferry {
 namespace {
@@ -349,6 +354,69 @@ TEST_F(CudaIpc, NotChosenForHostMemoryNorWithinOneProcess) {
   Memory host(-1, size);
   auto host_readable = a.create_readable({host.descriptor()});
   for (const Endpoint& e : host_readable.metadata().endpoints) EXPECT_NE(e.method, "cuda_ipc");
+}
+
+// ---- A claimant the kernel would not let read us ------------------------------------------
+
+/// The first frame our cuda_ipc owner answers a CLAIM of `meta` with, the claim sent from a
+/// connection made while this thread's effective uid and gid were `uid` (SO_PEERCRED records
+/// them at connect()). The raw system call changes this thread's credentials only.
+std::optional<test::Frame> claim_as(std::uint32_t uid, const RdmaMetadata& meta) {
+  std::string address;
+  for (const Endpoint& e : meta.endpoints)
+    if (e.method == "cuda_ipc") address = e.address;
+  if (address.size() < 2) return std::nullopt;
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path + 1, address.data() + 1, address.size() - 1);
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  const bool as_other = uid != ::geteuid();
+  if (as_other &&
+      (::syscall(SYS_setresgid, -1, uid, -1) != 0 || ::syscall(SYS_setresuid, -1, uid, -1) != 0))
+    return std::nullopt;
+  const int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), len);
+  if (as_other) {
+    EXPECT_EQ(::syscall(SYS_setresuid, -1, 0, -1), 0);
+    EXPECT_EQ(::syscall(SYS_setresgid, -1, 0, -1), 0);
+  }
+  test::RawClient c(test::RawClient::Adopt{}, rc == 0 ? fd : -1);
+  if (rc != 0) ::close(fd);
+  if (!c.connected() || !c.greet("claimant")) return std::nullopt;
+  test::FrameHeader claim;
+  claim.type = test::FrameType::claim;
+  claim.req_id = 7;
+  claim.op_id = std::stoull(meta.notification_key, nullptr, 16);
+  if (!transport::token_from_hex(meta.token, claim.token)) return std::nullopt;
+  claim.flags = 1;  // read
+  claim.len = 16;
+  std::vector<std::byte> range(16);
+  std::memcpy(range.data(), &meta.descriptors.at(0).ptr, 8);
+  std::memcpy(range.data() + 8, &meta.descriptors.at(0).size, 8);
+  if (!c.send_frame(claim, {}, range)) return std::nullopt;
+  return c.read_any_frame();
+}
+
+TEST(CudaIpcClaimant, OfAnotherUserGetsNoHandleOfOurs) {
+  ASSERT_TRUE(kFakeDriver);
+  if (const std::string why = ipc_missing(); !why.empty())
+    GTEST_SKIP() << "cuda_ipc is not offered here: " << why;
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to claim as another user";
+  Connector owner(ipc_only("owner"));
+  Memory source(0, 4096);
+  source.fill(5);
+  auto refused = owner.create_readable({source.descriptor()});
+  auto f = claim_as(65534, refused.metadata());
+  ASSERT_TRUE(f.has_value()) << "no answer to the claim";
+  EXPECT_EQ(f->header.type, test::FrameType::status) << "the claim of another user was served";
+  EXPECT_EQ(f->header.status, test::wire_status(ErrorCode::AccessDenied)) << f->message;
+  EXPECT_NE(f->message.find("uid 65534"), std::string::npos) << f->message;
+  // The same claim by a process of our own user is served.
+  auto served = owner.create_readable({source.descriptor()});
+  auto g = claim_as(::geteuid(), served.metadata());
+  ASSERT_TRUE(g.has_value()) << "no answer to the claim";
+  EXPECT_EQ(g->header.type, test::FrameType::claimed) << g->message;
 }
 
 }  // namespace

@@ -53,7 +53,24 @@ CudaIpcTransport::CudaIpcTransport(const Context& ctx, const CmaOptions& options
       throw Error(why->code(), "cuda_ipc: " + why->message());
   listener_ = std::make_unique<same_host::Listener>(
       ctx_, "cuda_ipc", "ferry-cudaipc", grant_slots,
-      [this](const Exposure& exposure) { return handles_of(exposure); });
+      [this](const Exposure& exposure, const same_host::Listener::Claimant& claimant) {
+        if (std::optional<Error> why = untrusted(claimant)) throw *why;
+        return handles_of(exposure);
+      });
+}
+
+std::optional<Error> CudaIpcTransport::untrusted(const same_host::Listener::Claimant& claimant) {
+  // An IPC handle opens the whole allocation, and stays open in the claimant after a
+  // cancel(): it goes only to a process the kernel would let read this one's memory anyway,
+  // by the credentials ptrace compares (docs/security.md): our user and group, or root.
+  if (claimant.uid == 0 || (claimant.uid == ::geteuid() && claimant.uid == ::getuid() &&
+                            claimant.gid == ::getegid() && claimant.gid == ::getgid()))
+    return std::nullopt;
+  return Error(ErrorCode::AccessDenied,
+               "cuda_ipc hands its IPC handles only to a process of its own user and group, or "
+               "root; " +
+                   claimant.name + " runs as uid " + std::to_string(claimant.uid) + " gid " +
+                   std::to_string(claimant.gid));
 }
 
 CudaIpcTransport::~CudaIpcTransport() { close(); }

@@ -119,6 +119,8 @@ class CudaIpcTransport final : public Transport,
   void failed(CudaIpcTransfer& t, const Error& error);
   /// The owner's allocations, for CLAIMED's payload; throws Error(Unsupported).
   std::vector<std::byte> handles_of(const Exposure& exposure);
+  /// Why `claimant` gets no IPC handles of ours (AccessDenied); none when it may.
+  static std::optional<Error> untrusted(const same_host::Listener::Claimant& claimant);
   void pump(CudaIpcTransfer& t);
   void copied(std::uint64_t transfer, std::uint64_t copy, const std::optional<Error>& error);
   void all_copied(CudaIpcTransfer& t);

@@ -331,9 +331,33 @@ void IpcImports::open(const std::vector<IpcRange>& ranges, int fallback, const F
       (void)api_.device_primary_ctx_release(m.device);
       throw;
     }
+    // The owner's size is a claim; what the driver mapped here is the truth. An owner that
+    // states more would have our copies land past the mapping (in memory of ours).
+    if (std::optional<Error> lie = oversized(m)) {
+      close(m);
+      throw *lie;
+    }
     ++opens_;
     mappings_.emplace(r.base, m);
   }
+}
+
+std::optional<Error> IpcImports::oversized(const Mapping& m) const {
+  CUdeviceptr base = 0;
+  std::size_t size = 0;
+  CUresult rc = CUDA_SUCCESS;
+  {
+    cuda::ScopedContext scope(api_, m.context);
+    rc = api_.mem_get_address_range(&base, &size, m.local);
+  }
+  if (rc != CUDA_SUCCESS)
+    return unopened("cuMemGetAddressRange of the mapping: " + cuda::result_text(&api_, rc));
+  const std::uint64_t mapped = base + size - m.local;  // from the mapping's start to its end
+  if (m.local < base || m.local - base >= size || m.range.size > mapped)
+    return Error(ErrorCode::ProtocolError,
+                 "cuda_ipc: the owner states an allocation of " + std::to_string(m.range.size) +
+                     " bytes; the driver mapped " + std::to_string(m.local < base ? 0 : mapped));
+  return std::nullopt;
 }
 
 IpcImports::Place IpcImports::translate(std::uint64_t addr, std::uint64_t len) const {

@@ -8,9 +8,12 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <ferry/error.hpp>
 
 #include "transport/cuda/cuda_api.hpp"
 #include "transport/memory.hpp"
@@ -140,6 +143,9 @@ class IpcImports {
   void import(Mapping& m, const FetchFd& fetch);
   /// Opens a legacy IPC handle (m.range); the context is current. Throws as import() does.
   void open_legacy(Mapping& m);
+  /// Error(ProtocolError) when the owner's stated size is more than the driver mapped at
+  /// m.local (translate() trusts m.range.size from then on).
+  std::optional<Error> oversized(const Mapping& m) const;
 
   const cuda::CudaApi& api_;
   std::map<std::uint64_t, Mapping> mappings_;  // by owner base (the owner's addresses are unique)

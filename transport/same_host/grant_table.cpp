@@ -1,7 +1,9 @@
 #include "transport/same_host/grant_table.hpp"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -45,12 +47,14 @@ void futex_wake(std::uint32_t* addr) {
 }  // namespace
 
 GrantTable::GrantTable(std::uint32_t slots) : slots_(slots) {
-  fd_ = ::memfd_create("ferry-cma-grants", MFD_CLOEXEC);
+  fd_ = ::memfd_create("ferry-cma-grants", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd_ < 0) throw Error(ErrorCode::Internal, "memfd_create: " + errno_text(errno));
-  if (::ftruncate(fd_, static_cast<off_t>(bytes())) != 0) {
+  // Sealed before any peer can see it: its size is then what every peer maps, for good.
+  if (::ftruncate(fd_, static_cast<off_t>(bytes())) != 0 ||
+      ::fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     const int err = errno;
     ::close(fd_);
-    throw Error(ErrorCode::Internal, "sizing the cma grant table: " + errno_text(err));
+    throw Error(ErrorCode::Internal, "sizing and sealing the cma grant table: " + errno_text(err));
   }
   void* p = ::mmap(nullptr, bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) {
@@ -71,7 +75,20 @@ std::atomic_ref<std::uint64_t> GrantTable::word(std::uint32_t slot) const noexce
       *reinterpret_cast<std::uint64_t*>(base_ + std::size_t{slot} * kSlotBytes));
 }
 
+void GrantTable::reclaim() {
+  std::erase_if(quarantine_, [this](const Held& h) {
+    const std::uint64_t w = word(h.grant.slot).load(std::memory_order_acquire);
+    if (generation_of(w) == h.grant.generation && (w & kCopies) != 0 &&
+        !(h.peer_idle && h.peer_idle()))
+      return false;
+    word(h.grant.slot).store(0, std::memory_order_release);
+    free_.push_back(h.grant.slot);
+    return true;
+  });
+}
+
 std::optional<Grant> GrantTable::open() {
+  if (free_.empty() && fresh_ >= slots_) reclaim();
   std::uint32_t slot = 0;
   if (!free_.empty()) {
     // Oldest first: a slot waits as long as possible before it is reused.
@@ -91,7 +108,13 @@ std::optional<Grant> GrantTable::open() {
 bool GrantTable::close(Grant grant, std::chrono::steady_clock::time_point deadline,
                        const std::function<bool()>& peer_idle) {
   auto w = word(grant.slot);
-  if (generation_of(w.load(std::memory_order_acquire)) != grant.generation) return true;
+  if (generation_of(w.load(std::memory_order_acquire)) != grant.generation) {
+    // Only a peer breaking the protocol writes a generation: the grant is over either way
+    // (no copy starts under a generation that is not the grant's), and the slot is reused.
+    w.store(0, std::memory_order_release);
+    free_.push_back(grant.slot);
+    return true;
+  }
   std::uint64_t cur = w.fetch_or(kEnded, std::memory_order_acq_rel) | kEnded;
   std::uint32_t* futex = low_half(base_ + std::size_t{grant.slot} * kSlotBytes);
   while ((cur & kCopies) != 0) {
@@ -101,6 +124,7 @@ bool GrantTable::close(Grant grant, std::chrono::steady_clock::time_point deadli
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       ++quarantined_;
+      quarantine_.push_back(Held{grant, peer_idle});
       return false;
     }
     // Wake up now and then to look at the peer; a copy job lasts a chunk's copy.
@@ -119,14 +143,39 @@ std::uint32_t GrantTable::in_flight(Grant grant) const noexcept {
   return static_cast<std::uint32_t>(w & kCopies);
 }
 
+namespace {
+
+// Why the owner's table behind `fd` cannot be mapped as `bytes`; empty when it can.
+std::string table_fault(int fd, std::size_t bytes) {
+  if (bytes == 0 || bytes % kSlotBytes != 0 || bytes > kMaxTableBytes)
+    return "its metadata states " + std::to_string(bytes) + " bytes (a whole number of " +
+           std::to_string(kSlotBytes) + "-byte slots, at most " + std::to_string(kMaxTableBytes) +
+           ", is expected)";
+  // Unsealed, the owner could shrink the file under our mapping: a copy's grant would fault.
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0) return "it is not a sealable memfd (" + errno_text(errno) + ")";
+  if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+    return "it is not sealed against shrinking and growing";
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return "fstat: " + errno_text(errno);
+  if (static_cast<std::uint64_t>(st.st_size) != bytes)
+    return "it holds " + std::to_string(st.st_size) + " bytes, its metadata states " +
+           std::to_string(bytes);
+  return {};
+}
+
+}  // namespace
+
 GrantView::GrantView(int fd, std::size_t bytes) : bytes_(bytes) {
-  void* p =
-      bytes == 0 ? MAP_FAILED : ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const std::string fault = table_fault(fd, bytes);
+  void* p = !fault.empty() ? MAP_FAILED
+                           : ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   close_fetched(fd);  // fetch_fd made it
+  if (!fault.empty())
+    throw Error(ErrorCode::ProtocolError, "the owner's grant table is refused: " + fault);
   if (p == MAP_FAILED)
-    throw Error(ErrorCode::Unsupported, "cannot map the owner's cma grant table: " +
-                                            (bytes == 0 ? std::string("empty") : errno_text(err)));
+    throw Error(ErrorCode::Unsupported, "cannot map the owner's grant table: " + errno_text(err));
   base_ = static_cast<std::byte*>(p);
 }
 

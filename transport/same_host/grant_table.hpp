@@ -22,7 +22,14 @@ namespace ferry::transport::same_host {
 /// and the grant has not ended) before every copy job, and gives it back after. The owner ends
 /// a grant by setting the ended bit, then waits (futex) until no copy is under way: once
 /// close() returns, no copy of that peer starts or runs, which is what cancel() promises.
+///
+/// The memfd is sealed against shrinking and growing before any peer sees it, and a peer maps
+/// it only after checking those seals and its real size (GrantView): a table whose owner could
+/// shrink it, or whose size the metadata overstates, would fault the peer's copies (SIGBUS).
 inline constexpr std::size_t kSlotBytes = 8;
+/// The largest table a peer maps (a million slots): a bound on what an owner's metadata may
+/// make a peer map.
+inline constexpr std::size_t kMaxTableBytes = std::size_t{1} << 23;
 
 struct Grant {
   std::uint32_t slot = 0;
@@ -46,13 +53,18 @@ class GrantTable {
   /// Ends `grant`: no copy starts under it any more; then waits until none is under way,
   /// at most until `deadline`, and no longer once `peer_idle()` says the peer copies nothing
   /// (its process exited, or every thread of it is stopped). Returns false when copies were
-  /// still under way at the deadline: the slot is then never reused.
+  /// still under way at the deadline: the slot is then quarantined, not reused until its
+  /// copies are given back or `peer_idle()` says the peer copies nothing (checked whenever a
+  /// grant is opened). A slot whose generation a peer overwrote is reclaimed at once: only a
+  /// peer that broke the protocol writes there, and the slot is not left to leak.
   bool close(Grant grant, std::chrono::steady_clock::time_point deadline,
              const std::function<bool()>& peer_idle);
   /// Copies under way under `grant` (for tests).
   std::uint32_t in_flight(Grant grant) const noexcept;
-  /// Slots given up for good because their copies outlived close()'s deadline.
+  /// Grants whose copies outlived close()'s deadline, since the table was made.
   std::uint32_t quarantined() const noexcept { return quarantined_; }
+  /// Slots in quarantine now.
+  std::size_t held() const noexcept { return quarantine_.size(); }
 
  private:
   std::atomic_ref<std::uint64_t> word(std::uint32_t slot) const noexcept;
@@ -63,14 +75,24 @@ class GrantTable {
   std::uint32_t next_generation_ = 1;
   std::uint32_t fresh_ = 0;  // slots below this were used once
   std::vector<std::uint32_t> free_;
+  struct Held {
+    Grant grant;
+    std::function<bool()> peer_idle;
+  };
+  std::vector<Held> quarantine_;
   std::uint32_t quarantined_ = 0;
+
+  /// Gives quarantined slots whose copies are over back to the free list.
+  void reclaim();
 };
 
 /// A peer's view of an owner's table: the owner's memfd, mapped. Any thread.
 class GrantView {
  public:
-  /// Takes `fd` (closed by the destructor); throws Error(Unsupported) when it cannot be
-  /// mapped.
+  /// Takes `fd` (closed by the constructor) and maps it, after checking that it is a memfd
+  /// sealed against shrinking and growing, of exactly `bytes` (what the owner's metadata
+  /// says: never trusted), a whole number of slots and at most kMaxTableBytes. Throws
+  /// Error(ProtocolError) naming what is wrong, Error(Unsupported) when it cannot be mapped.
   GrantView(int fd, std::size_t bytes);
   ~GrantView();
   GrantView(const GrantView&) = delete;

@@ -84,7 +84,8 @@ Link::Link(const Context& ctx, Client& client, std::string method, std::uint64_t
     owner_->grants = std::make_unique<GrantView>(grants, info.grants_bytes);
   } catch (const Error& e) {
     ::close(sock);
-    throw Error(ErrorCode::Unsupported, method_ + ": " + e.message());
+    // ProtocolError: the owner's table is not what a table must be (never mapped).
+    throw Error(e.code(), method_ + ": " + who + ": " + e.message());
   }
   conn_ = std::make_unique<StreamConnection>(
       ctx_.loop, static_cast<StreamConnection::Handler&>(*this), StreamConnection::Role::client,

@@ -73,9 +73,11 @@ void Listener::close() {
   closed_ = true;
   socket_->close();
   // Peers may still copy under grants of exposures never revoked; the memory is the owner's
-  // to keep until they are done (revoke() waits for that; here only as long as peer_timeout).
+  // to keep until they are done (revoke() waits for that; here only as long as peer_timeout,
+  // for all of them together).
+  const auto deadline = std::chrono::steady_clock::now() + ctx_.peer_timeout;
   for (auto& [id, c] : claimed_) {
-    close_grant(c);
+    close_grant(c, deadline);
     // Its CLAIMED frame, if still queued, must not read the payload about to go (the
     // connections flush what is queued below).
     if (StreamConnection* conn = conns_.find(c.conn); conn != nullptr && !c.payload.empty())
@@ -95,6 +97,8 @@ void Listener::accept(int fd) {
   socklen_t len = sizeof cred;
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
     p.pid = cred.pid;
+    p.uid = cred.uid;
+    p.gid = cred.gid;
     // Watching the peer's process lets revoke() stop waiting for a peer that died mid-copy.
     // Without one (the peer is gone already, or the kernel refuses), revoke() cannot see it
     // exit and waits for peer_timeout at most.
@@ -126,16 +130,38 @@ std::optional<Error> Listener::on_hello(StreamConnection& conn, const FrameHeade
   return std::nullopt;
 }
 
+Listener::Claimant Listener::claimant(const StreamConnection& conn) {
+  const Peer& p = peers_[conn.id()];
+  return Claimant{p.pid, p.uid, p.gid, conn.describe_peer()};
+}
+
 bool Listener::peer_idle(std::uint64_t conn_id) const {
   auto it = peers_.find(conn_id);
-  if (it == peers_.end()) return false;
+  // Gone: its connection closed while a grant of it was quarantined. The slot may be reused
+  // (a late copy of that peer's is refused by the slot's next generation).
+  if (it == peers_.end()) return true;
   return process_exited(it->second.pidfd) ||
          (it->second.pid > 0 && process_stopped(it->second.pid));
 }
 
-bool Listener::close_grant(const Claimed& claim) {
-  return grants_.close(claim.grant, std::chrono::steady_clock::now() + ctx_.peer_timeout,
-                       [this, c = claim.conn] { return peer_idle(c); });
+bool Listener::close_grant(const Claimed& claim,
+                           std::optional<std::chrono::steady_clock::time_point> deadline) {
+  const auto now = std::chrono::steady_clock::now();
+  auto p = peers_.find(claim.conn);
+  const bool stalled = p != peers_.end() && p->second.stalled;
+  if (grants_.close(claim.grant, stalled ? now : deadline.value_or(now + ctx_.peer_timeout),
+                    [this, c = claim.conn] { return peer_idle(c); }))
+    return true;
+  if (p != peers_.end() && !stalled) {
+    // Held past peer_timeout: broken or hostile. Its other grants close without a wait, and
+    // the connection goes (after this call: the caller may be walking the claims).
+    p->second.stalled = true;
+    life_.defer(ctx_.defer, [this, c = claim.conn] {
+      if (StreamConnection* conn = conns_.find(c))
+        wire::evict(*conn, "a copy held its grant past peer_timeout");
+    });
+  }
+  return false;
 }
 
 void Listener::expose(const Exposure& exposure, ExposureObserver& observer) {
@@ -271,7 +297,7 @@ void Listener::serve_claim(StreamConnection& conn, const FrameHeader& h) {
   std::vector<std::byte> payload;
   if (payload_) {
     try {
-      payload = payload_(entry->exposure);
+      payload = payload_(entry->exposure, claimant(conn));
     } catch (const Error& e) {
       reply(conn, h.req_id, &e);
       return;
@@ -351,13 +377,15 @@ void Listener::serve_done(StreamConnection& conn, const FrameHeader& h,
 }
 
 void Listener::on_closed(StreamConnection& conn, const std::string& reason) {
-  // Its copies are over (a process closes its sockets last) or bounded by peer_timeout.
+  // Its copies are over (a process closes its sockets last) or bounded by peer_timeout, for
+  // all its claims together.
+  const auto deadline = std::chrono::steady_clock::now() + ctx_.peer_timeout;
   for (auto it = claimed_.begin(); it != claimed_.end();) {
     if (it->second.conn != conn.id()) {
       ++it;
       continue;
     }
-    close_grant(it->second);
+    close_grant(it->second, deadline);
     it = claimed_.erase(it);
   }
   exposures_.lose_connection(conn.id(), Error(ErrorCode::PeerLost, "peer " + conn.describe_peer() +
@@ -390,7 +418,7 @@ void Listener::serve_attach(StreamConnection& conn, const FrameHeader& h) {
   std::vector<std::byte> payload;
   if (payload_) {
     try {
-      payload = payload_(exposures_.find(v.attachment)->exposure);
+      payload = payload_(exposures_.find(v.attachment)->exposure, claimant(conn));
     } catch (const Error& e) {
       refuse(e);
       return;

@@ -12,6 +12,7 @@
 #include "transport/context.hpp"
 #include "transport/kit/connections.hpp"
 #include "transport/kit/exposures.hpp"
+#include "transport/kit/lifetime.hpp"
 #include "transport/kit/regions.hpp"
 #include "transport/kit/stream_listener.hpp"
 #include "transport/same_host/grant_table.hpp"
@@ -37,8 +38,17 @@ inline constexpr std::uint64_t kMaxClaimBytes = 4u << 20;
 /// Loop thread only.
 class Listener final : private wire::StreamConnection::Handler {
  public:
-  /// What CLAIMED carries for `exposure` beyond the grant; throws Error to refuse the claim.
-  using ClaimPayload = std::function<std::vector<std::byte>(const Exposure& exposure)>;
+  /// The claiming process as the kernel names it (SO_PEERCRED of its connection).
+  struct Claimant {
+    std::int64_t pid = 0;
+    std::uint32_t uid = ~0u;
+    std::uint32_t gid = ~0u;
+    std::string name;  ///< as its connection describes it
+  };
+  /// What CLAIMED (and ATTACHED) carries for `exposure` beyond the grant; throws Error to
+  /// refuse the claim.
+  using ClaimPayload =
+      std::function<std::vector<std::byte>(const Exposure& exposure, const Claimant& claimant)>;
 
   /// Listens on a fresh abstract socket "@<prefix>-<16 hex digits>". Throws Error(Internal)
   /// when the socket or the grant table cannot be made.
@@ -73,11 +83,14 @@ class Listener final : private wire::StreamConnection::Handler {
  private:
   struct Peer {
     std::int64_t pid = 0;  ///< from SO_PEERCRED
+    std::uint32_t uid = ~0u;
+    std::uint32_t gid = ~0u;
     int pidfd = -1;
     std::unique_ptr<Token> probe;  ///< this connection's nonce, at a fixed address
     std::vector<std::byte> claim;  ///< a CLAIM's (or an ENDED's) ranges being received
     std::optional<Error> refused;  ///< a CLAIM refused before its ranges arrived
     std::string tag;               ///< an ENDED's tag, while its ranges arrive
+    bool stalled = false;          ///< held a copy grant past peer_timeout: waited for no more
   };
   struct Claimed {
     std::uint64_t conn = 0;
@@ -110,10 +123,15 @@ class Listener final : private wire::StreamConnection::Handler {
   /// the connection stops waiting for the peer on its account. Returns the connection.
   wire::StreamConnection* end_claim(std::uint64_t conn_id, std::uint64_t id);
   void finish_exposure(std::uint64_t id, std::optional<Error> peer_error);
-  /// Closes `claim`'s grant, waiting at most peer_timeout for its peer's copies; false when
-  /// they outlived it.
-  bool close_grant(const Claimed& claim);
-  /// Whether the peer of connection `conn_id` copies nothing: exited, or stopped.
+  /// Closes `claim`'s grant, waiting for its peer's copies until `deadline` (by default
+  /// peer_timeout from now); false when they outlived it. A peer that made the owner wait
+  /// that long once is not waited for again (its grants close at once) and is disconnected:
+  /// the loop is held up at most peer_timeout per peer connection, not per claim.
+  bool close_grant(const Claimed& claim,
+                   std::optional<std::chrono::steady_clock::time_point> deadline = {});
+  Claimant claimant(const wire::StreamConnection& conn);
+  /// Whether the peer of connection `conn_id` copies nothing: exited, or stopped (and, for
+  /// quarantined grants, once its connection is gone: see GrantTable::close).
   bool peer_idle(std::uint64_t conn_id) const;
 
   Context ctx_;
@@ -130,6 +148,7 @@ class Listener final : private wire::StreamConnection::Handler {
   std::unordered_map<std::uint64_t, Claimed> claimed_;  ///< by exposure id
   std::uint64_t next_conn_ = 1;
   std::unique_ptr<kit::StreamListener> socket_;
+  kit::Lifetime life_;  ///< last: deferred work sees it end first
 };
 
 }  // namespace ferry::transport::same_host

@@ -7,7 +7,10 @@
 //  - connections that greet and go silent, past the listener's bounds: honest peers still get
 //    in;
 //  - CLAIM headers that announce megabytes of ranges under a wrong token: the owner sizes
-//    nothing before the token is checked.
+//    nothing before the token is checked;
+//  - a claimant that takes copy grants and never gives them back: the owner's loop waits for
+//    it at most peer_timeout in all, not once per claim, and honest peers go on;
+//  - an owner whose metadata overstates its grant table: the reader maps nothing.
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
@@ -31,6 +34,10 @@
 #include "tests/support/patterns.hpp"
 #include "tests/support/raw_peer.hpp"
 #include "tests/support/util.hpp"
+#include "transport/same_host/grant_table.hpp"
+#include "transport/same_host/owner_info.hpp"
+#include "transport/same_host/system.hpp"
+#include "transport/token.hpp"
 
 namespace ferry {
 namespace {
@@ -237,6 +244,101 @@ TEST(CmaHostile, ClaimsAnnouncingHugeRangesUnderAWrongTokenCostTheOwnerNothing) 
   EXPECT_LT(after, before + (64u << 20))
       << kConnections << " claims under a wrong token grew the owner from " << before << " to "
       << after << " bytes resident";
+}
+
+// ---------------------------------------------------------------------------------------
+// Copy grants held and never given back
+
+TEST(CmaHostile, AClaimantHoldingGrantsStallsTheOwnerOnePeerTimeoutNotOnePerClaim) {
+  SKIP_WITHOUT_CMA();
+  constexpr int kClaims = 4;
+  constexpr auto kPeerTimeout = 1000ms;
+  ConnectorOptions o = cma_only("owner");
+  o.peer_timeout = kPeerTimeout;
+  Connector owner(o);
+  std::vector<std::vector<std::byte>> bufs;
+  std::vector<ReadableOperation> ops;
+  for (int i = 0; i < kClaims; ++i) {
+    bufs.push_back(test::patterned(4096, i));
+    ops.push_back(owner.create_readable(bufs.back()));
+  }
+  const RdmaMetadata first = ops[0].metadata();
+  const Endpoint& endpoint = cma_endpoint(first);
+  auto staller = connect_to(endpoint.address);
+  ASSERT_TRUE(staller->connected() && staller->greet("staller")) << staller->error();
+
+  // Every claim honest, its grant taken for a copy, and never given back.
+  const transport::same_host::OwnerInfo info = transport::same_host::parse_endpoint(endpoint);
+  transport::same_host::GrantView table(
+      transport::same_host::fetch_fd(transport::same_host::open_pidfd(::getpid()), ::getpid(),
+                                     info.grants_fd),
+      info.grants_bytes);
+  for (int i = 0; i < kClaims; ++i) {
+    const RdmaMetadata meta = ops[static_cast<std::size_t>(i)].metadata();
+    FrameHeader claim;
+    claim.type = FrameType::claim;
+    claim.req_id = static_cast<std::uint64_t>(i) + 1;
+    claim.op_id = std::stoull(meta.notification_key, nullptr, 16);
+    ASSERT_TRUE(transport::token_from_hex(meta.token, claim.token));
+    claim.flags = 1;  // read
+    claim.len = 16;
+    std::vector<std::byte> range(16);
+    const std::uint64_t addr = meta.descriptors.at(0).ptr;
+    const std::uint64_t len = meta.descriptors.at(0).size;
+    std::memcpy(range.data(), &addr, 8);
+    std::memcpy(range.data() + 8, &len, 8);
+    ASSERT_TRUE(staller->send_frame(claim, {}, range)) << staller->error();
+    auto claimed = staller->read_any_frame();
+    ASSERT_TRUE(claimed && claimed->header.type == FrameType::claimed)
+        << "claim " << i << ": " << (claimed ? claimed->message : staller->error());
+    const transport::same_host::Grant grant{
+        static_cast<std::uint32_t>(claimed->header.addr & 0xffffffffu),
+        static_cast<std::uint32_t>(claimed->header.addr >> 32)};
+    ASSERT_TRUE(table.acquire(grant)) << "claim " << i;
+  }
+
+  // Cancelling all of them holds the owner for one peer_timeout (the first), not one each.
+  const auto at = std::chrono::steady_clock::now();
+  for (auto& op : ops) op.cancel();
+  const auto took = std::chrono::steady_clock::now() - at;
+  EXPECT_LT(took, 2 * kPeerTimeout + 500ms)
+      << "cancelling " << kClaims << " operations a stalled claimant held took "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
+  // The staller hears why (a STATUS per operation, then the eviction) and is disconnected;
+  // an honest reader is served as before.
+  for (int frames = 0; frames < 2 * kClaims + 2 && staller->read_any_frame(); ++frames) {
+  }
+  EXPECT_TRUE(staller->closed_by_peer()) << staller->error();
+  Connector reader(cma_only("reader"));
+  auto src = test::patterned(4096, 9);
+  auto readable = owner.create_readable(src);
+  auto dst = test::buffer(4096);
+  auto read = reader.begin_read(readable.metadata(), dst);
+  ASSERT_TRUE(read.wait_for_completion(30s));
+  EXPECT_EQ(dst, src);
+}
+
+// ---------------------------------------------------------------------------------------
+// An owner's grant table larger in its metadata than in truth
+
+TEST(CmaHostile, MetadataOverstatingTheOwnersGrantTableIsRefusedNotMapped) {
+  SKIP_WITHOUT_CMA();
+  Connector owner(cma_only("owner"));
+  Connector reader(cma_only("reader"));
+  auto src = test::patterned(4096, 4);
+  auto readable = owner.create_readable(src);
+  RdmaMetadata meta = readable.metadata();
+  for (Endpoint& e : meta.endpoints) {
+    if (e.method != "cma") continue;
+    transport::same_host::OwnerInfo info = transport::same_host::parse_endpoint(e);
+    info.grants_bytes *= 4;  // slots past the real end would fault the reader's copies
+    e.info = transport::same_host::to_info(info);
+  }
+  auto dst = test::buffer(4096);
+  auto read = reader.begin_read(meta, dst);
+  EXPECT_EQ(test::ended_with(read, 30s), ErrorCode::ProtocolError);
+  ASSERT_TRUE(read.error().has_value());
+  EXPECT_NE(read.error()->message().find("grant table"), std::string::npos) << read.error()->what();
 }
 
 }  // namespace

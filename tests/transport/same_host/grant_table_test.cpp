@@ -2,6 +2,8 @@
 // cancel()'s promise across processes.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -123,6 +125,119 @@ TEST(GrantView, ASlotOutsideTheTableIsNotHeld) {
   EXPECT_FALSE(peer.holds(Grant{2, 1}));
   EXPECT_FALSE(peer.holds(Grant{0, 0}));
   EXPECT_TRUE(peer.holds(Grant{1, 7}));
+}
+
+// ---------------------------------------------------------------------------------------
+// What a peer maps: never more than the owner's sealed memfd holds (a malicious owner would
+// otherwise fault its reader's copies with SIGBUS).
+
+/// A memfd of `bytes`, sealed with `seals` (0: none), as a peer would fetch it.
+int memfd_of(std::size_t bytes, int seals) {
+  const int fd = ::memfd_create("ferry-test-table", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  EXPECT_GE(fd, 0);
+  EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  if (seals != 0) {
+    EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, seals), 0);
+  }
+  return fd;
+}
+
+ErrorCode refusal(int fd, std::size_t bytes) {
+  try {
+    GrantView view(fd, bytes);
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return ErrorCode::Internal;  // mapped: not what these cases expect
+}
+
+TEST(GrantView, ATableItsOwnerCouldShrinkIsNotMapped) {
+  EXPECT_EQ(refusal(memfd_of(4096, 0), 4096), ErrorCode::ProtocolError) << "unsealed";
+  EXPECT_EQ(refusal(memfd_of(4096, F_SEAL_GROW), 4096), ErrorCode::ProtocolError)
+      << "sealed against growing only";
+}
+
+TEST(GrantView, ATableSmallerOrLargerThanItsMetadataSaysIsNotMapped) {
+  constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW;
+  EXPECT_EQ(refusal(memfd_of(4096, kSeals), 8192), ErrorCode::ProtocolError) << "overstated";
+  EXPECT_EQ(refusal(memfd_of(8192, kSeals), 4096), ErrorCode::ProtocolError) << "understated";
+  EXPECT_EQ(refusal(memfd_of(4096, kSeals), 4095), ErrorCode::ProtocolError) << "part of a slot";
+  EXPECT_EQ(refusal(memfd_of(4096, kSeals), 0), ErrorCode::ProtocolError) << "empty";
+  EXPECT_EQ(refusal(memfd_of(4096, kSeals), std::size_t{1} << 40), ErrorCode::ProtocolError)
+      << "a terabyte";
+  // A plain file cannot be sealed at all.
+  char name[] = "/tmp/ferry-grant-XXXXXX";
+  const int file = ::mkstemp(name);
+  ASSERT_GE(file, 0);
+  ::unlink(name);
+  ASSERT_EQ(::ftruncate(file, 4096), 0);
+  EXPECT_EQ(refusal(file, 4096), ErrorCode::ProtocolError) << "a file that is no memfd";
+  // And the real thing is mapped.
+  GrantView ok(memfd_of(4096, kSeals), 4096);
+  EXPECT_TRUE(ok.holds(Grant{511, 1}));
+  EXPECT_FALSE(ok.holds(Grant{512, 1}));
+}
+
+TEST(GrantTable, ItsMemfdCanNeitherShrinkNorGrow) {
+  GrantTable table(4);
+  EXPECT_NE(::ftruncate(table.fd(), 8), 0) << "the owner's table shrank";
+  EXPECT_NE(::ftruncate(table.fd(), static_cast<off_t>(table.bytes() * 2)), 0)
+      << "the owner's table grew";
+  EXPECT_NE(::fcntl(table.fd(), F_ADD_SEALS, F_SEAL_WRITE), 0) << "the seals can be changed";
+}
+
+// ---------------------------------------------------------------------------------------
+// Slots come back: none leaks to a peer that scribbles or stalls.
+
+/// The slot's word, written as a peer that breaks the protocol would.
+void scribble(const GrantTable& table, std::uint32_t slot, std::uint64_t value) {
+  void* p = ::mmap(nullptr, table.bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, table.fd(), 0);
+  ASSERT_NE(p, MAP_FAILED);
+  std::atomic_ref<std::uint64_t>(static_cast<std::uint64_t*>(p)[slot]).store(value);
+  ::munmap(p, table.bytes());
+}
+
+TEST(GrantTable, ASlotWhoseGenerationAPeerOverwroteIsReusedAfterClose) {
+  GrantTable table(1);
+  for (int round = 0; round < 3; ++round) {
+    auto g = table.open();
+    ASSERT_TRUE(g.has_value()) << "round " << round << ": the slot leaked";
+    scribble(table, g->slot, (std::uint64_t{g->generation} + 7) << 32 | 3);
+    EXPECT_TRUE(table.close(*g, Clock::now() + 10s, {}));
+  }
+  EXPECT_EQ(table.held(), 0u);
+}
+
+TEST(GrantTable, AQuarantinedSlotComesBackOnceItsCopyIsGivenBack) {
+  GrantTable table(1);
+  GrantView peer = view_of(table);
+  auto g = table.open();
+  ASSERT_TRUE(g.has_value());
+  ASSERT_TRUE(peer.acquire(*g));
+  EXPECT_FALSE(table.close(*g, Clock::now(), {}));
+  EXPECT_EQ(table.held(), 1u);
+  EXPECT_FALSE(table.open().has_value()) << "handed out while its copy was under way";
+  peer.release(*g);
+  auto next = table.open();
+  ASSERT_TRUE(next.has_value()) << "the slot stayed quarantined after its copy ended";
+  EXPECT_EQ(next->slot, g->slot);
+  EXPECT_NE(next->generation, g->generation);
+  EXPECT_EQ(table.held(), 0u);
+}
+
+TEST(GrantTable, AQuarantinedSlotComesBackOnceItsPeerCopiesNothing) {
+  GrantTable table(1);
+  GrantView peer = view_of(table);
+  auto g = table.open();
+  ASSERT_TRUE(g.has_value());
+  ASSERT_TRUE(peer.acquire(*g));  // and never released
+  bool gone = false;
+  EXPECT_FALSE(table.close(*g, Clock::now(), [&] { return gone; }));
+  EXPECT_FALSE(table.open().has_value());
+  gone = true;  // its process exited, say
+  auto next = table.open();
+  ASSERT_TRUE(next.has_value()) << "the slot of a peer that copies nothing stayed quarantined";
+  EXPECT_FALSE(peer.acquire(*g)) << "the old generation took the reused slot";
 }
 
 }  // namespace
