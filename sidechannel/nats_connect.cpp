@@ -120,6 +120,8 @@ NatsOptionsPtr nats_options(const NatsOptions& o) {
   check(natsOptions_SetTimeout(opts.get(), o.connect_timeout.count()), "connect_timeout");
   check(natsOptions_SetReconnectWait(opts.get(), o.reconnect_wait.count()), "reconnect_wait");
   check(natsOptions_SetMaxReconnect(opts.get(), o.max_reconnect), "max_reconnect");
+  check(natsOptions_SetPingInterval(opts.get(), o.ping_interval.count()), "ping_interval");
+  check(natsOptions_SetMaxPingsOut(opts.get(), o.max_pings_out), "max_pings_out");
   check(natsOptions_SetAllowReconnect(opts.get(), true), "reconnect");
   // Without it every publish waits for cnats' flusher, about a millisecond.
   check(natsOptions_SetSendAsap(opts.get(), true), "send_asap");

@@ -64,6 +64,9 @@ NatsOptions resolve(NatsOptions o, const std::string& connector_name) {
     throw Error(ErrorCode::InvalidArgument,
                 "nats: connect_timeout and request_timeout must be positive, reconnect_wait "
                 "and connect_deadline not negative");
+  if (o.ping_interval.count() <= 0 || o.max_pings_out <= 0)
+    throw Error(ErrorCode::InvalidArgument,
+                "nats: ping_interval and max_pings_out must be positive", "nats.ping_interval");
   return o;
 }
 

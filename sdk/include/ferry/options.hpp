@@ -144,6 +144,14 @@ struct NatsOptions {
   /// (-1: forever).
   std::chrono::milliseconds reconnect_wait{250};
   int max_reconnect = -1;
+  /// How a server that went silent without closing the connection (a partition, a host
+  /// powered off) is noticed: a PING every ping_interval, and the connection is taken for
+  /// lost (then reconnected, to another server of the list where there is one) once
+  /// max_pings_out of them are unanswered: within about ping_interval * (max_pings_out + 1),
+  /// 15 s by default. (NATS clients' own default, 2 minutes and 2, left a worker cut off for
+  /// 6 minutes.)
+  std::chrono::milliseconds ping_interval{5000};
+  int max_pings_out = 2;
   /// How long one metadata request waits for an answer before it is sent again (requests
   /// are retried until the operation's deadline).
   std::chrono::milliseconds request_timeout{1000};
