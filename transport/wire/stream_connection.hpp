@@ -173,6 +173,9 @@ class StreamConnection : private FrameReader::Handler {
   /// The peer's first frame: its HELLO, or (to a client) a server's refusal.
   Sink greet(const FrameHeader& header, std::string message);
   void timer_fired();
+  /// Whether what the connection polls for (the connect's end, or the peer's bytes) is
+  /// ready on the socket now, before the loop has polled.
+  bool ready_now() const;
   void watchdog();
   bool awaiting_peer() const noexcept;
   void account(std::int64_t owned_delta) noexcept;

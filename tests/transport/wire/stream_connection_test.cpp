@@ -212,5 +212,60 @@ TEST_F(StreamReading, AFrameAfterAMalformedOneIsNeverSeen) {
   for (const auto& s : recorder_.seen) EXPECT_NE(s.req_id, 3u);
 }
 
+// ---------------------------------------------------------------------------------------
+// The watchdog judges the peer by its socket: a loop held off the CPU past peer_timeout finds
+// the timer due before it has polled what the peer sent meanwhile.
+
+struct Held {
+  uv_loop_t loop{};
+  Recorder recorder;
+  int raw = -1;
+  std::unique_ptr<StreamConnection> conn;
+
+  explicit Held(std::chrono::milliseconds peer_timeout) {
+    EXPECT_EQ(uv_loop_init(&loop), 0);
+    int fds[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds), 0);
+    raw = fds[1];
+    conn = std::make_unique<StreamConnection>(&loop, recorder, StreamConnection::Role::server,
+                                              fds[0], 1, "raw", peer_timeout, false,
+                                              StreamConnection::Hello{"server", 7}, loop::Log());
+    uv_run(&loop, UV_RUN_NOWAIT);  // polling from here on
+  }
+  ~Held() {
+    conn.reset();
+    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_loop_close(&loop);
+    ::close(raw);
+  }
+  /// Turns the loop for `span` (as a loop that runs does).
+  void turn_for(std::chrono::milliseconds span) {
+    const auto until = std::chrono::steady_clock::now() + span;
+    while (std::chrono::steady_clock::now() < until && recorder.closed.empty()) {
+      uv_run(&loop, UV_RUN_NOWAIT);
+      std::this_thread::sleep_for(1ms);
+    }
+  }
+};
+
+TEST(StreamWatchdog, AHelloThatCameWhileTheLoopWasHeldIsNotBlamedOnThePeer) {
+  Held h(200ms);
+  const std::string bytes = hello() + frame(FrameType::read, 1);
+  ASSERT_EQ(::write(h.raw, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  std::this_thread::sleep_for(500ms);  // the loop held: its watchdog is due when it runs
+  h.turn_for(100ms);
+  EXPECT_EQ(h.recorder.closed, "") << "the peer was blamed for our loop's lateness";
+  ASSERT_EQ(h.recorder.seen.size(), 1u) << "what the peer sent was not read";
+  EXPECT_EQ(h.recorder.seen[0].req_id, 1u);
+}
+
+TEST(StreamWatchdog, APeerThatSendsNothingIsStillDroppedAfterPeerTimeout) {
+  Held h(200ms);
+  std::this_thread::sleep_for(500ms);
+  h.turn_for(2s);
+  EXPECT_NE(h.recorder.closed.find("no HELLO from the peer within 200 ms"), std::string::npos)
+      << "closed: '" << h.recorder.closed << "'";
+}
+
 }  // namespace
 }  // namespace ferry::transport::wire
