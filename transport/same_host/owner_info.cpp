@@ -15,6 +15,7 @@ std::string to_info(const OwnerInfo& info) {
   j["pid"] = info.scope.pid;
   j["boot_id"] = info.scope.boot_id;
   j["pid_ns"] = info.scope.pid_ns;
+  j["net_ns"] = info.scope.net_ns;
   j["grants"] = {{"fd", info.grants_fd}, {"bytes", info.grants_bytes}};
   return j.dump();
 }
@@ -30,6 +31,8 @@ OwnerInfo parse_info(const std::string& text) {
     info.scope.pid = j.at("pid").get<std::int64_t>();
     info.scope.boot_id = j.at("boot_id").get<std::string>();
     info.scope.pid_ns = j.at("pid_ns").get<std::uint64_t>();
+    // Optional: metadata of a ferry that did not send it reaches the socket or fails there.
+    if (j.contains("net_ns")) info.scope.net_ns = j.at("net_ns").get<std::uint64_t>();
     info.grants_fd = j.at("grants").at("fd").get<int>();
     info.grants_bytes = j.at("grants").at("bytes").get<std::uint64_t>();
   } catch (const nlohmann::json::exception& e) {
@@ -48,6 +51,10 @@ std::optional<Error> scope_mismatch(const ProcessScope& owner) {
     return Error(ErrorCode::Unsupported, "the peer runs on another host (boot id differs)");
   if (owner.pid_ns != self.pid_ns)
     return Error(ErrorCode::Unsupported, "the peer runs in another PID namespace");
+  if (owner.net_ns != 0 && self.net_ns != 0 && owner.net_ns != self.net_ns)
+    return Error(ErrorCode::Unsupported,
+                 "the peer runs in another network namespace (its abstract socket is not "
+                 "reachable from this one)");
   return std::nullopt;
 }
 

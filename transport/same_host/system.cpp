@@ -40,6 +40,7 @@ ProcessScope this_process() {
     s.boot_id = read_line("/proc/sys/kernel/random/boot_id");
     struct stat st {};
     if (::stat("/proc/self/ns/pid", &st) == 0) s.pid_ns = st.st_ino;
+    if (::stat("/proc/self/ns/net", &st) == 0) s.net_ns = st.st_ino;
     return s;
   }();
   ProcessScope s = fixed;

@@ -20,6 +20,9 @@ namespace ferry::transport::same_host {
 struct ProcessScope {
   std::string boot_id;       ///< /proc/sys/kernel/random/boot_id
   std::uint64_t pid_ns = 0;  ///< the inode of /proc/self/ns/pid
+  /// The inode of /proc/self/ns/net (0: unknown). An abstract Unix socket lives in its
+  /// network namespace: another one's owner cannot be reached by a same-host method.
+  std::uint64_t net_ns = 0;
   std::int64_t pid = 0;
 };
 

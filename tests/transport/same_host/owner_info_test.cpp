@@ -25,6 +25,8 @@ TEST(Info, RoundTripsAndRefusesWhatIsWrong) {
   EXPECT_EQ(back.scope.pid, info.scope.pid);
   EXPECT_EQ(back.scope.boot_id, info.scope.boot_id);
   EXPECT_EQ(back.scope.pid_ns, info.scope.pid_ns);
+  EXPECT_EQ(back.scope.net_ns, info.scope.net_ns);
+  EXPECT_NE(back.scope.net_ns, 0u);
   EXPECT_EQ(back.grants_fd, 9);
   for (const char* bad : {"", "[]", "{}", R"({"pid":1})", "not json",
                           R"({"pid":-4,"boot_id":"b","pid_ns":1,"grants":{"fd":3,"bytes":16}})",
@@ -57,6 +59,18 @@ TEST(Info, SaysNothingTheProofNeeds) {
   const std::string text = to_info(sample_info());
   EXPECT_EQ(text.find("probe"), std::string::npos) << text;
   EXPECT_EQ(text.find("nonce"), std::string::npos) << text;
+}
+
+TEST(Info, AnOwnerInAnotherNetworkNamespaceIsOutOfReach) {
+  OwnerInfo owner = sample_info();
+  EXPECT_FALSE(scope_mismatch(owner.scope).has_value());
+  owner.scope.net_ns += 1;
+  const std::optional<Error> why = scope_mismatch(owner.scope);
+  ASSERT_TRUE(why.has_value()) << "an owner in another network namespace was taken as reachable";
+  EXPECT_EQ(why->code(), ErrorCode::Unsupported);
+  EXPECT_NE(why->message().find("network namespace"), std::string::npos) << why->message();
+  owner.scope.net_ns = 0;  // metadata that does not say: the connect decides
+  EXPECT_FALSE(scope_mismatch(owner.scope).has_value());
 }
 
 }  // namespace
