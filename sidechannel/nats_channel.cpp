@@ -12,6 +12,7 @@
 #include <ferry/error.hpp>
 
 #include "loop/ids.hpp"
+#include "sidechannel/answer_limit.hpp"
 #include "sidechannel/inbox.hpp"
 #include "sidechannel/nats_adapter.hpp"
 #include "sidechannel/nats_channel_state.hpp"
@@ -33,6 +34,8 @@ struct SubClosure {
   NatsChannel::Answer direct;
   std::string prefix;
   loop::Log log;
+  std::shared_ptr<AnswerLimit> limit;  // the channel's, shared by everything it serves
+  std::string limit_key;               // this subscription's bucket in it
 };
 
 // A request to a served subject, answered at once from cnats' delivery thread. Anything else
@@ -40,6 +43,15 @@ struct SubClosure {
 void answer_directly(natsConnection* nc, natsMsg* msg, const SubClosure& c) {
   const char* reply = natsMsg_GetReply(msg);
   if (reply == nullptr || !is_reply_inbox(c.prefix, reply)) return;
+  // The reply inbox may be anyone's (NATS does not say who published): what a flood can make
+  // this connection publish there is bounded per served subscription.
+  if (!c.limit->admit(c.limit_key)) {
+    if (auto refused = c.limit->note_due())
+      c.log.warning(std::string("nats: answering requests at '") + natsMsg_GetSubject(msg) +
+                    "' no faster than NatsOptions::answers_per_second allows; " +
+                    std::to_string(*refused) + " request(s) at served subjects left unanswered");
+    return;
+  }
   const char* data = natsMsg_GetData(msg);
   const std::string request(data != nullptr ? data : "",
                             static_cast<std::size_t>(natsMsg_GetDataLength(msg)));
@@ -102,7 +114,8 @@ NatsChannel::NatsChannel(EventLoop& loop, const NatsOptions& o, std::string clie
       state_(std::make_shared<State>(loop, o, client_id)),
       driver_(std::make_unique<NatsSocketDriver>(loop.uv(), loop.log())),
       outbox_(std::make_unique<Outbox>()),
-      wire_(std::make_unique<Wire>()) {
+      wire_(std::make_unique<Wire>()),
+      answer_limit_(std::make_shared<AnswerLimit>(o.answer_burst, o.answers_per_second)) {
   state_->board = status_;
   connect(o);
   make_handles();
@@ -208,8 +221,9 @@ std::uint64_t NatsChannel::subscribe_impl(const std::string& subject, const std:
     arm_confirm_timer();
   }
   if (handler) state_->subs.emplace(id, std::move(handler));
-  auto* closure =
-      new SubClosure{state_, loop_.poster(), id, inbox, std::move(direct), state_->prefix, log_};
+  auto* closure = new SubClosure{state_, loop_.poster(),    id,
+                                 inbox,  std::move(direct), state_->prefix,
+                                 log_,   answer_limit_,     subject + "#" + std::to_string(id)};
   auto poster = loop_.poster();
   std::weak_ptr<State> weak = state_;
   outbox_->push([this, id, subject, queue, closure, confirm, confirm_id, poster, weak] {

@@ -29,6 +29,7 @@ std::optional<std::string> subject_problem(std::string_view subject);
 /// n 1 to 16 lowercase hex digits without a leading zero.
 bool is_reply_inbox(std::string_view prefix, std::string_view subject);
 
+class AnswerLimit;
 class NatsSocketDriver;
 class Outbox;
 
@@ -112,7 +113,9 @@ class NatsChannel {
   /// thread, not the loop: a metadata request is answered without two thread hops (to the
   /// loop, and from it to the publishing worker). `answer` must be thread-safe and quick; it
   /// gets the request's data. Requests whose reply subject is not one of request()'s inboxes
-  /// are not answered (as respond() does). `registered` as for subscribe(). Until the server
+  /// are not answered (as respond() does), nor are those beyond the subscription's limit of
+  /// answers (NatsOptions::answer_burst, answers_per_second; AnswerLimit): their reply inbox
+  /// may be anyone's. `registered` as for subscribe(). Until the server
   /// has processed an unsubscribe() it may still route requests here, and `answer` still
   /// answers them: it must know what to say once its subject is no longer served
   /// (`last_words` do not apply).
@@ -194,6 +197,7 @@ class NatsChannel {
   std::unique_ptr<NatsSocketDriver> driver_;
   std::unique_ptr<Outbox> outbox_;
   std::unique_ptr<Wire> wire_;
+  std::shared_ptr<AnswerLimit> answer_limit_;  // serve()'s answers (NatsOptions::answer_burst)
   std::string local_ip_;
   std::uint64_t inbox_sub_ = 0;
   // The two-phase close: the worker's final flush wakes closer_; finisher_ runs a loop turn

@@ -67,6 +67,9 @@ NatsOptions resolve(NatsOptions o, const std::string& connector_name) {
   if (o.ping_interval.count() <= 0 || o.max_pings_out <= 0)
     throw Error(ErrorCode::InvalidArgument,
                 "nats: ping_interval and max_pings_out must be positive", "nats.ping_interval");
+  if (o.answer_burst < 1 || o.answers_per_second < 0)
+    throw Error(ErrorCode::InvalidArgument,
+                "nats: answer_burst must be positive and answers_per_second not negative");
   return o;
 }
 

@@ -155,6 +155,14 @@ struct NatsOptions {
   /// How long one metadata request waits for an answer before it is sent again (requests
   /// are retried until the operation's deadline).
   std::chrono::milliseconds request_timeout{1000};
+  /// How many metadata requests an operation or region served at a subject answers: a token
+  /// bucket of its own that holds answer_burst answers and refills answers_per_second.
+  /// Requests beyond it are dropped unanswered (the asker asks again after its
+  /// request_timeout), so that a flood of requests naming someone else's reply inbox makes
+  /// this connector publish a bounded volume there (docs/sidechannel.md, "Who gets the
+  /// metadata"). answers_per_second 0: no limit.
+  int answer_burst = 32;
+  int answers_per_second = 16;
   /// Whether the FERRY_NATS_* variables fill what is left empty here. The connector's other
   /// variables follow ConnectorOptions::use_environment.
   bool use_environment = true;
