@@ -166,8 +166,20 @@ void NatsSocketDriver::Core::on_poll(uv_poll_t* handle, int status, int events) 
   // the close callback, a later phase of the loop), and so does the core (the driver is
   // destroyed on the loop after shutdown(), never from inside cnats).
   if (status < 0) {
-    // As a read: cnats then sees the socket's error and reconnects.
+    // EPOLLERR (the server reset the connection; status is UV_EBADF). libuv has stopped the
+    // handle itself, without a word: note it, or apply() would believe it still polls and
+    // never start it again. Then read, as for a readable socket: cnats sees the reset only
+    // after it has read what arrived before it, one buffer per call, so the handle is started
+    // again until cnats has seen the error and given up this attachment. Otherwise a reset
+    // that comes behind more than one buffer of data (as under a flood of requests) leaves the
+    // connection neither read nor written, until cnats' pings give up on it minutes later.
+    {
+      std::lock_guard lock(self->mu);
+      w->events = 0;
+    }
     natsConnection_ProcessReadEvent(nc);
+    std::lock_guard lock(self->mu);
+    if (!self->shut && self->watch == w) self->apply();
     return;
   }
   if ((events & UV_READABLE) != 0 && reading) natsConnection_ProcessReadEvent(nc);
