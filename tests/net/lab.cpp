@@ -1,5 +1,7 @@
 #include "tests/net/lab.hpp"
 
+#include "tests/net/wire.hpp"
+
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
@@ -270,6 +272,7 @@ void Lab::sh_switch(const std::vector<std::string>& args) const {
 }
 
 void Lab::build(int mtu) {
+  mtu_ = mtu;
   const std::string sw = prefix_ + "-sw";
   const std::string m = std::to_string(mtu);
   must({ip_tool(), "netns", "add", sw});
@@ -300,6 +303,7 @@ void Lab::build(int mtu) {
 
 void Lab::teardown() noexcept {
   try {
+    wires_.clear();  // before the namespaces go: a TAP's fd would keep its namespace alive
     for (auto& p : nats_) p.reset();
     for (int h = 0; h < hosts_; ++h) kill_all_in(ns(h));
     for (int h = 0; h < hosts_; ++h) run({ip_tool(), "netns", "del", ns(h)}, 5s);
@@ -321,7 +325,50 @@ void Lab::set_link(int host, Net net, bool up) {
   for (const auto& dev : devices(host, net)) sh_switch({"link", "set", dev, up ? "up" : "down"});
 }
 
+bool Lab::netem_in_userspace() const {
+  static const bool in_userspace = [this] {
+    const std::string sw = prefix_ + "-sw";
+    CmdResult r =
+        run({tc_tool(), "-n", sw, "qdisc", "add", "dev", "h0d", "root", "netem", "delay", "1ms"});
+    if (r.rc == 0) run({tc_tool(), "-n", sw, "qdisc", "del", "dev", "h0d", "root"});
+    return r.rc != 0;
+  }();
+  return in_userspace;
+}
+
+netwire::Wire& Lab::wire(int host, char net) {
+  auto& w = wires_[{host, net}];
+  if (w) return *w;
+  const std::string h = "h" + std::to_string(host);
+  const std::string sw = prefix_ + "-sw";
+  const bool data = net == 'd';
+  // The veth pair goes (deleting one end deletes both); two TAPs of the same names take its
+  // place, the host's with its address, the switch's in the same bridge.
+  must({ip_tool(), "-n", sw, "link", "del", h + net});
+  netwire::Options o;
+  o.a = netwire::End{ns(host), data ? "d0" : "n0", (data ? data_ip(host) : nats_ip(host)) + "/24",
+                     ""};
+  o.b = netwire::End{sw, h + net, "", data ? "brdata" : "brnats"};
+  o.mtu = mtu_;
+  o.seed = static_cast<std::uint64_t>(host) * 2 + (data ? 1 : 0) + 1;
+  w = std::make_unique<netwire::Wire>(o);
+  return *w;
+}
+
 void Lab::shape(int host, Net net, const std::vector<std::string>& qdisc) {
+  if (!qdisc.empty() && qdisc.front() == "netem" && netem_in_userspace()) {
+    std::string line;
+    for (const std::string& word : qdisc) line += (line.empty() ? "" : " ") + word;
+    for (char n : {'n', 'd'})
+      if ((n == 'n' && net != Net::data) || (n == 'd' && net != Net::nats))
+        wire(host, n).command(line);
+    return;
+  }
+  if (qdisc.empty())
+    for (auto& [key, w] : wires_)
+      if (key.first == host &&
+          ((key.second == 'n' && net != Net::data) || (key.second == 'd' && net != Net::nats)))
+        w->command("netem");  // unshaped again (a cut stays: set_link heals it)
   // Both ends: the switch's end shapes what goes to the host, the host's end what leaves it.
   std::vector<std::pair<std::string, std::string>> ends;
   for (const auto& dev : devices(host, net)) {
@@ -340,14 +387,10 @@ void Lab::shape(int host, Net net, const std::vector<std::string>& qdisc) {
 }
 
 std::string Lab::netem_missing() const {
-  const std::string sw = prefix_ + "-sw";
-  CmdResult r =
-      run({tc_tool(), "-n", sw, "qdisc", "add", "dev", "h0d", "root", "netem", "delay", "1ms"});
-  if (r.rc != 0)
-    return "tc netem is unavailable here (sch_netem not built or not loadable): `tc qdisc add "
-           "... netem` said: " +
-           r.out;
-  run({tc_tool(), "-n", sw, "qdisc", "del", "dev", "h0d", "root"});
+  if (!netem_in_userspace()) return {};
+  if (::access("/dev/net/tun", R_OK | W_OK) != 0)
+    return "tc netem is unavailable here (sch_netem not built or not loadable), and so is "
+           "/dev/net/tun for ferry_net_wire, which plays netem without it";
   return {};
 }
 
@@ -446,6 +489,10 @@ Worker::Worker(const Lab& lab, int host, std::string name, WorkerOptions options
                                 std::to_string(options.peer_timeout_ms),
                                 "--subject-timeout",
                                 std::to_string(options.subject_timeout_ms)};
+  if (options.nats_ping_ms > 0) {
+    argv.push_back("--nats-ping");
+    argv.push_back(std::to_string(options.nats_ping_ms));
+  }
   if (options.bind_data) {
     argv.push_back("--bind");
     argv.push_back(lab.data_ip(host));

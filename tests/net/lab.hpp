@@ -17,6 +17,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,10 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/support/child_process.hpp"
+
+namespace ferry::netwire {
+class Wire;
+}
 
 namespace ferry::netlab {
 
@@ -78,10 +83,15 @@ class Lab {
   void set_link(int host, Net net, bool up);
   /// Replaces the root qdisc at both ends of `host`'s link(s) (so both directions are shaped)
   /// with `qdisc` ("netem delay 10ms", "tbf rate 100mbit burst 256k latency 400ms"); an empty
-  /// vector restores the default.
+  /// vector restores the default. Where the kernel has no sch_netem, a netem qdisc is played
+  /// by ferry_net_wire instead (wire.hpp): the link's veth pair is replaced, the first time,
+  /// by a userspace wire of two TAPs with the same names and addresses.
   void shape(int host, Net net, const std::vector<std::string>& qdisc);
-  /// Why tc netem cannot be used here (sch_netem missing), or empty.
+  /// Why netem shaping cannot be used here (no sch_netem, and no /dev/net/tun for the
+  /// userspace wire), or empty.
   std::string netem_missing() const;
+  /// Whether netem shaping is played by ferry_net_wire here (the kernel has no sch_netem).
+  bool netem_in_userspace() const;
 
   void kill_nats(int host);
   void start_nats(int host);
@@ -94,8 +104,13 @@ class Lab {
   void build(int mtu);
   void teardown() noexcept;
 
+  /// The wire that replaced `host`'s link `net` ('n' or 'd'), made on first use.
+  netwire::Wire& wire(int host, char net);
+
   int hosts_;
+  int mtu_ = 1500;
   std::string prefix_;
+  std::map<std::pair<int, char>, std::unique_ptr<netwire::Wire>> wires_;
   std::vector<std::unique_ptr<test::ChildProcess>> nats_;
   std::vector<std::string> logs_;
 };
@@ -108,6 +123,7 @@ struct WorkerOptions {
   bool bind_data = true;    ///< the tcp listener on the data network (else: NATS's address)
   int nats_host = -1;       ///< the server tried first; -1: the worker's own host's
   bool all_servers = true;  ///< every server's URL, for failover; else only the first
+  int nats_ping_ms = 0;     ///< NatsOptions::ping_interval; 0: ferry's default
 };
 
 /// A ferry_net_worker in a lab host, driven over its stdin and stdout.

@@ -3,7 +3,7 @@
 // line; then one command per line on stdin, one JSON object per line on stdout.
 //
 //   ferry_net_worker --name NAME --nats URL[,URL...] [--bind IP] [--transports tcp[,cma]]
-//                    [--peer-timeout MS] [--subject-timeout MS]
+//                    [--peer-timeout MS] [--subject-timeout MS] [--nats-ping MS]
 //
 // First line: {"ready":true,"name":..,"methods":[..],"side_channel":..} once the side channel
 // is connected (or {"ready":false,"error":..} after 15 s). Commands (SLOT: any word naming an
@@ -166,6 +166,8 @@ int main(int argc, char** argv) {
       o.transports = split(value, ',');
     } else if (flag == "--peer-timeout") {
       o.peer_timeout = std::chrono::milliseconds(std::stoll(value));
+    } else if (flag == "--nats-ping") {
+      o.nats.ping_interval = std::chrono::milliseconds(std::stoll(value));
     } else if (flag == "--subject-timeout") {
       o.subject_timeout = std::chrono::milliseconds(std::stoll(value));
     } else {
