@@ -741,17 +741,7 @@ class Lane {
                        std::to_string(p.size) + " " + std::to_string(p.seed) + " " +
                        std::to_string(p.worker_timeout_ms) + " " +
                        std::to_string(p.worker_cancel_ms) + " " + std::to_string(worker_bound));
-    bool killed = false;
-    bool ended = drive(op, p, began, killed);
-    Ending mine = ending_of(op, ended, began);
-    if (mine.status == "complete" && !reads) {
-      long long bad = ferry::test::first_mismatch(data, p.size, p.seed);
-      mine.check = bad < 0 ? "ok" : "corrupt@" + std::to_string(bad);
-      if (bad < 0) mine.verified = p.size;
-    }
-    std::optional<Ending> theirs;
-    if (!killed) theirs = worker_end(p, worker_bound);
-    finish(p, mine, theirs, began, killed);
+    conclude(op, p, began, data, !reads, worker_bound);
   }
 
   /// The worker passive (served at the plan's subject), this side active by subject.
@@ -789,10 +779,17 @@ class Lane {
       finish(p, refused(e, began), worker_end(p, worker_bound), began, false);
       return;
     }
+    conclude(op, p, began, data, reads, worker_bound);
+  }
+
+  /// The end of a one-shot operation of ours: driven to its end (or the worker's killing), our
+  /// destination checked when we received the bytes and completed, the worker's end heard.
+  void conclude(Operation& op, const Plan& p, Clock::time_point began, const std::byte* data,
+                bool received, long long worker_bound) {
     bool killed = false;
     bool ended = drive(op, p, began, killed);
     Ending mine = ending_of(op, ended, began);
-    if (mine.status == "complete" && reads) {
+    if (mine.status == "complete" && received) {
       long long bad = ferry::test::first_mismatch(data, p.size, p.seed);
       mine.check = bad < 0 ? "ok" : "corrupt@" + std::to_string(bad);
       if (bad < 0) mine.verified = p.size;
