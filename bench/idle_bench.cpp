@@ -18,6 +18,12 @@
 //
 //   build/bench/ferry_idle_bench --ops 1000 --seconds 5
 //   build/bench/ferry_idle_bench --ops 10000 --subject --timeout_ms 3600000 --json idle.json
+//   build/bench/ferry_idle_bench --ops 1000 --subject --metrics 127.0.0.1:9464
+//
+// With a side channel the connector also answers the stats subject (docs/operations.md), and
+// with --metrics it serves Prometheus metrics: neither may add wakeups to its loop while
+// nobody asks (prometheus-cpp's HTTP server thread polls its socket every 2 s: that thread's
+// wakeups show among the process's others).
 //
 // --subject without --nats_url or $FERRY_NATS_URL starts a private /usr/sbin/nats-server on a
 // free 127.0.0.1 port, and stops it. Without --subject the connector has no side channel
@@ -65,6 +71,7 @@ struct Options {
   std::string json;
   double max_cpu_fraction = 0.5;
   long settle_ms = 500;
+  std::string metrics;  ///< --metrics HOST:PORT: the connector serves Prometheus metrics there
 };
 
 [[noreturn]] void usage(const std::string& why) {
@@ -72,7 +79,7 @@ struct Options {
                "ferry_idle_bench: %s\n"
                "usage: ferry_idle_bench [--ops N] [--seconds S] [--subject] [--nats_url URL]\n"
                "                        [--timeout_ms T] [--json FILE] [--settle_ms MS]\n"
-               "                        [--max_cpu_fraction F]\n",
+               "                        [--max_cpu_fraction F] [--metrics HOST:PORT]\n",
                why.c_str());
   std::exit(3);
 }
@@ -113,6 +120,8 @@ Options parse(int argc, char** argv) {
       } else if (arg == "--settle_ms") {
         o.settle_ms = std::stol(next());
         if (o.settle_ms < 0 || o.settle_ms > 600000) usage("--settle_ms must be in [0, 600000]");
+      } else if (arg == "--metrics") {
+        o.metrics = next();
       } else if (arg == "--max_cpu_fraction") {
         o.max_cpu_fraction = std::stod(next());
       } else if (arg == "--help" || arg == "-h") {
@@ -351,6 +360,7 @@ int run(const Options& o) {
 
   ferry::ConnectorOptions co;
   co.name = "idle-bench";
+  co.metrics.listen = o.metrics;
   if (o.subject) {
     co.nats.servers = {url};
   } else {

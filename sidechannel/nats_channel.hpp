@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -45,10 +46,14 @@ class StatusBoard {
     std::lock_guard lock(mu_);
     value_ = {state, std::move(detail)};
   }
+  /// The connection came back after it was lost.
+  void reconnected() noexcept { reconnects_.fetch_add(1, std::memory_order_relaxed); }
+  std::uint64_t reconnects() const noexcept { return reconnects_.load(std::memory_order_relaxed); }
 
  private:
   mutable std::mutex mu_;
   SideChannelStatus value_;
+  std::atomic<std::uint64_t> reconnects_{0};
 };
 
 /// A NATS connection whose socket is driven by a connector's loop (NatsSocketDriver, ferry's

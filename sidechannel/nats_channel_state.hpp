@@ -89,6 +89,7 @@ struct NatsChannel::State {
         connected = true;
         if (new_max_payload > 0) max_payload = new_max_payload;
         if (mine) board->set(SideChannelState::connected, detail);
+        if (mine) board->reconnected();
         if (mine) owner->reconfirm();
         break;
       case SideChannelEvent::closed:

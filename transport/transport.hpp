@@ -197,6 +197,10 @@ class Transport {
   /// answered with `reason`. No effect if unknown.
   virtual void revoke(std::uint64_t id, const Error& reason) = 0;
 
+  /// Loop thread: the connections this transport holds open now, both ways (its links to
+  /// peers, and peers connected to its listener). Stats.
+  virtual std::size_t connections() const { return 0; }
+
   /// Why this transport cannot reach the peer endpoint `endpoint` (of its method) from here,
   /// e.g. a same-host method toward another host; none when it may. Judged from the endpoint
   /// alone, before any transfer; a method that passes may still fail at set-up.

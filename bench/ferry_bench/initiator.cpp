@@ -226,8 +226,8 @@ PointResult Initiator::run(PointSpec spec) {
 
   auto& connector = connectors_[spec.method];
   if (!connector) {
-    connector = std::make_unique<ferry::Connector>(
-        connector_options(spec.method, options_.nats_url, "ferry-bench-initiator"));
+    connector = std::make_unique<ferry::Connector>(connector_options(
+        spec.method, options_.nats_url, "ferry-bench-initiator", options_.metrics));
   }
 
   Point point;

@@ -131,6 +131,12 @@ int run(Options o) {
                                   o.nats_url,  "--session", o.session};
     if (o.simulated_verbs) argv.push_back("--simulated_verbs");
     if (o.quiet) argv.push_back("--quiet");
+    if (!o.metrics.empty()) {
+      const auto colon = o.metrics.rfind(':');
+      argv.insert(argv.end(),
+                  {"--metrics", o.metrics.substr(0, colon + 1) +
+                                    std::to_string(std::stoul(o.metrics.substr(colon + 1)) + 1)});
+    }
     target = std::make_unique<ChildProcess>(argv, [&initiator](const std::string& how) {
       initiator.abort("the target process " + how);
     });

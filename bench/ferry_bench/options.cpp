@@ -52,6 +52,8 @@ latency per point of a sweep (method x op_type x inflight x batch size x block s
   --initiator_seg_type DRAM|VRAM the initiator's buffers: host memory (default) or memory
   --target_seg_type DRAM|VRAM    of GPU cuda:0, through the CUDA driver ferry loads
   --json FILE  --csv FILE  --png FILE
+  --metrics HOST:PORT            serve the connectors' Prometheus metrics there while the run
+                                 lasts (role both: the target's at PORT+1; docs/operations.md)
   --quiet                        no progress on stderr
   --help
 
@@ -226,6 +228,13 @@ Options parse_options(int argc, char** argv) {
       {"json", [&](auto&, auto& v) { o.json_path = v; }},
       {"csv", [&](auto&, auto& v) { o.csv_path = v; }},
       {"png", [&](auto&, auto& v) { o.png_path = v; }},
+      {"metrics",
+       [&](auto& n, auto& v) {
+         const auto colon = v.rfind(':');
+         if (colon == std::string::npos || colon + 1 == v.size())
+           throw std::invalid_argument("--" + n + " wants HOST:PORT, not '" + v + "'");
+         o.metrics = v;
+       }},
   };
 
   for (int i = 1; i < argc; ++i) {

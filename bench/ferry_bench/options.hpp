@@ -37,6 +37,9 @@ struct Options {
   std::string json_path;
   std::string csv_path;
   std::string png_path;
+  /// --metrics HOST:PORT: this process's connectors serve their Prometheus metrics there
+  /// (role both: the target's at PORT+1); "": FERRY_METRICS_LISTEN, else none.
+  std::string metrics;
   bool quiet = false;
   std::string command;  ///< the command line, as given
 };

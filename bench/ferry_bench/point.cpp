@@ -223,9 +223,10 @@ Mismatch verify_pattern(const std::vector<ferry::Descriptor>& stream, std::uint6
 }
 
 ferry::ConnectorOptions connector_options(const std::string& method, const std::string& nats_url,
-                                          const std::string& name) {
+                                          const std::string& name, const std::string& metrics) {
   ferry::ConnectorOptions o;
   o.name = name;
+  o.metrics.listen = metrics;
   o.transports = {method};
   o.cma.ptracer_any = true;
   o.nats.use_environment = false;

@@ -117,8 +117,9 @@ Mismatch verify_pattern(const std::vector<ferry::Descriptor>& stream, std::uint6
 
 /// A connector restricted to `method`, with a side channel at `nats_url`, and cma offered
 /// where Yama would hide it (ptracer_any): the benchmark wants every method it is asked for.
+/// `metrics`: where it serves its Prometheus metrics (--metrics), or "".
 ferry::ConnectorOptions connector_options(const std::string& method, const std::string& nats_url,
-                                          const std::string& name);
+                                          const std::string& name, const std::string& metrics = {});
 /// Empty when a connector made with connector_options(method) offers `method` here and it moves
 /// memory of `device` (-1: host memory, else cuda:N) on that side (`exposed`: the target's,
 /// which a peer reaches; else the initiator's); else why not, as ferry::probe_methods says (a

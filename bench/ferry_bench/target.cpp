@@ -362,8 +362,8 @@ int run_target(const Options& options) {
         return {json{{"skipped", "target: " + why}}, {}};
       auto& connector = connectors[spec.method];
       if (!connector) {
-        connector = std::make_unique<ferry::Connector>(
-            connector_options(spec.method, options.nats_url, "ferry-bench-target"));
+        connector = std::make_unique<ferry::Connector>(connector_options(
+            spec.method, options.nats_url, "ferry-bench-target", options.metrics));
       }
       point = std::make_unique<TargetPoint>(*connector, std::move(spec));
       json ok{{"ok", true}};

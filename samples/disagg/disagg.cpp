@@ -20,8 +20,8 @@
 //
 // Roles (each a process):
 //   ferry-disagg decode  [--name N] [--blocks B] [--layers L] [--tokens-per-block T]
-//                        [--bytes-per-token X] [--threads W] [--device D]
-//   ferry-disagg prefill [--name N] [--threads W] [--device D]
+//                        [--bytes-per-token X] [--threads W] [--device D] [--metrics H:P]
+//   ferry-disagg prefill [--name N] [--threads W] [--device D] [--metrics H:P]
 //   ferry-disagg client  [--requests R] [--concurrency C] [--min-tokens A] [--max-tokens B]
 //                        [--mode region|oneshot] [--compare-modes 1]
 //   ferry-disagg all     [--prefill P] [--requests R] [--concurrency C] ...
@@ -29,6 +29,9 @@
 //     workers as child processes, then the client; stops everything it started, also on
 //     Ctrl-C or failure. Exit status 0 only when every request was verified.
 //
+// --metrics HOST:PORT: the worker serves its Prometheus metrics there (in `all`, the decode
+// worker at PORT and prefill i at PORT+1+i); every worker answers ferry-top anyway
+// (docs/operations.md).
 // --device D: where the KV lives, "host" (the default) or "cuda:N": the decode worker's pool
 // and the prefill worker's KV buffers are then memory of GPU N, allocated with the CUDA driver
 // ferry loads and filled and checked through the driver's copies; the program exits with why
@@ -281,11 +284,14 @@ void serve_until_stopped(Nats& nats, const char* subject, const char* queue, Wor
   natsSubscription_Destroy(sub);
 }
 
-ferry::ConnectorOptions connector_options(const std::string& name) {
+// --metrics HOST:PORT serves the connector's Prometheus metrics there (docs/operations.md);
+// without it, FERRY_METRICS_LISTEN may. Either way the connector answers ferry-top.
+ferry::ConnectorOptions connector_options(const std::string& name, const Args& args) {
   ferry::ConnectorOptions o;
   o.name = name;
   o.default_timeout = 30s;  // nothing waits forever
-  return o;                 // the side channel comes from FERRY_NATS_URL
+  o.metrics.listen = args.str("--metrics", "");
+  return o;  // the side channel comes from FERRY_NATS_URL
 }
 
 // ---------------------------------------------------------------------------------------
@@ -380,7 +386,7 @@ int run_decode(const Args& args) {
         "--bytes-per-token a positive multiple of 8");
   BlockPool pool(shape, args.num("--blocks", 512),
                  ferry_samples::parse_device(args.str("--device", "host")));
-  ferry::Connector connector(connector_options(name));
+  ferry::Connector connector(connector_options(name, args));
   Nats nats(name);
   Workers workers(args.num("--threads", 8));
   std::atomic<std::uint64_t> served{0};
@@ -563,7 +569,7 @@ int run_prefill(const Args& args) {
   const std::string name = args.str("--name", "prefill-" + std::to_string(::getpid()));
   const int device = ferry_samples::parse_device(args.str("--device", "host"));
   if (device >= 0) ferry_samples::DeviceMemory probe(device, 8);  // says at once why not
-  ferry::Connector connector(connector_options(name));
+  ferry::Connector connector(connector_options(name, args));
   Nats nats(name);
   Workers workers(args.num("--threads", 4));
   std::atomic<std::uint64_t> served{0};
@@ -835,16 +841,37 @@ int run_all(const char* self, const Args& args) {
     if (args.values.count(key)) pass.insert(pass.end(), {key, args.values.at(key)});
   std::vector<std::string> device;  // and --device to every worker
   if (args.values.count("--device")) device = {"--device", args.values.at("--device")};
+  // --metrics HOST:PORT: the decode worker serves its metrics at PORT, prefill i at PORT+1+i
+  // (one endpoint per process).
+  const std::string metrics = args.str("--metrics", "");
+  std::string metrics_host;
+  unsigned long metrics_port = 0;
+  if (!metrics.empty()) {
+    const auto colon = metrics.rfind(':');
+    if (colon == std::string::npos)
+      throw std::invalid_argument("--metrics wants HOST:PORT, not '" + metrics + "'");
+    metrics_host = metrics.substr(0, colon);
+    metrics_port = std::stoul(metrics.substr(colon + 1));
+  }
+  auto metrics_of = [&](unsigned long offset) -> std::vector<std::string> {
+    if (metrics.empty()) return {};
+    return {"--metrics", metrics_host + ":" + std::to_string(metrics_port + offset)};
+  };
   std::vector<std::string> decode{self, "decode", "--name", "decode-0"};
   decode.insert(decode.end(), pass.begin(), pass.end());
   decode.insert(decode.end(), device.begin(), device.end());
+  for (auto& m : metrics_of(0)) decode.push_back(m);
   children.push_back(std::make_unique<disagg::Child>(decode, true));
   const std::uint32_t prefills = args.num("--prefill", 2);
   for (std::uint32_t i = 0; i < prefills; ++i) {
     std::vector<std::string> prefill{self, "prefill", "--name", "prefill-" + std::to_string(i)};
     prefill.insert(prefill.end(), device.begin(), device.end());
+    for (auto& m : metrics_of(1 + i)) prefill.push_back(m);
     children.push_back(std::make_unique<disagg::Child>(prefill, true));
   }
+  if (!metrics.empty())
+    std::printf("metrics      decode-0 at %s, prefill-i at %s:%lu+i (Prometheus text)\n",
+                metrics.c_str(), metrics_host.c_str(), metrics_port + 1);
   for (auto& c : children) {
     if (!c->wait_ready(20s)) {
       std::fprintf(stderr, "disagg: a worker did not come up\n");
@@ -869,8 +896,8 @@ int main(int argc, char** argv) {
   const std::string role = named ? argv[1] : "all";
   const std::vector<std::string> decode = {
       "--name",    "--blocks", "--layers", "--tokens-per-block", "--bytes-per-token",
-      "--threads", "--device"};
-  const std::vector<std::string> prefill = {"--name", "--threads", "--device"};
+      "--threads", "--device", "--metrics"};
+  const std::vector<std::string> prefill = {"--name", "--threads", "--device", "--metrics"};
   const std::vector<std::string> client = {"--requests",   "--concurrency", "--min-tokens",
                                            "--max-tokens", "--mode",        "--compare-modes"};
   std::vector<std::string> all = {"--prefill"};

@@ -57,6 +57,7 @@ bool ActiveOperation::try_next() {
 }
 
 void ActiveOperation::setup_failed(const std::string& method, const Error& e) {
+  core->stats.fell_back(method);
   // A method refused (not permitted, unsupported) stays refused for a while; a peer that could
   // not be reached (PeerLost, Timeout) may be back for the next operation: only tried next.
   if (!is_retryable(e.code())) {

@@ -4,6 +4,7 @@
 
 #include "sdk/src/active_operation.hpp"
 #include "sdk/src/core.hpp"
+#include "sdk/src/metrics.hpp"
 #include "sdk/src/options.hpp"
 #include "sdk/src/passive_operation.hpp"
 
@@ -130,7 +131,9 @@ const char* to_string(SideChannelState state) noexcept {
 
 std::vector<MethodInfo> Connector::methods() const { return core().methods; }
 
-ConnectorStats Connector::stats() const { return core().stats.snapshot(); }
+ConnectorStats Connector::stats() const { return core().stats_now(); }
+
+std::string Connector::metrics() const { return detail::metrics_text(core()); }
 
 ReadableOperation Connector::create_readable(std::vector<Descriptor> local,
                                              OperationOptions options) {

@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 
 #include "loop/ids.hpp"
 #include "sdk/src/active_operation.hpp"
 #include "sdk/src/messaging.hpp"
+#include "sdk/src/metrics.hpp"
 #include "sdk/src/options.hpp"
 #include "sdk/src/passive_operation.hpp"
 #include "sdk/src/region_state.hpp"
@@ -206,7 +208,19 @@ void Core::start() {
         capabilities.push_back(t->capabilities());
         for (auto& e : t->endpoints()) endpoints.push_back(std::move(e));
       }
+      refresh_gauges();
+      if (nats && nats_options.answer_stats) {
+        std::weak_ptr<Core> weak = shared_from_this();
+        nats->serve(nats_prefix + ".stats", [weak](const std::string&) {
+          auto self = weak.lock();
+          return self ? self->stats_answer() : std::string();
+        });
+      }
     });
+    std::string listen = options.metrics.listen;
+    if (listen.empty() && options.use_environment)
+      if (const char* v = std::getenv("FERRY_METRICS_LISTEN")) listen = v;
+    if (!listen.empty()) metrics_endpoint = serve_metrics(shared_from_this(), listen);
   } catch (...) {
     loop->close([this] {
       for (auto& t : transports) t->close();
@@ -219,6 +233,8 @@ void Core::start() {
 
 void Core::shutdown() noexcept {
   if (!loop) return;
+  // No scrape sees this connector from here on.
+  metrics_endpoint.reset();
   loop->close([this] {
     closed = true;
     std::vector<std::shared_ptr<OperationState>> ops;

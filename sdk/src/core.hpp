@@ -133,6 +133,21 @@ class Core : public std::enable_shared_from_this<Core> {
   bool closed = false;
   /// Any thread: what the operations came to (Connector::stats()).
   StatsRecorder stats;
+  /// Loop thread: counts what the connector holds now (connections by method, regions,
+  /// attachments) into `stats`. Cheap: a few sizes.
+  void refresh_gauges();
+  /// Any thread: stats(), with the side channel's reconnects; on the loop thread after
+  /// refresh_gauges().
+  ConnectorStats stats_now();
+  /// Any thread: stats_now() after the loop has counted the gauges (waiting for it at most
+  /// `wait`; past that, the gauges it counted last).
+  ConnectorStats stats_fresh(std::chrono::milliseconds wait);
+  /// Any thread: the answer to a request at the stats subject (docs/operations.md).
+  std::string stats_answer();
+  /// The Prometheus endpoint's registration (sdk/src/metrics.hpp); null when off.
+  std::shared_ptr<void> metrics_endpoint;
+  /// When the connector started (uptime in the stats answer).
+  const std::chrono::steady_clock::time_point born = std::chrono::steady_clock::now();
 
  private:
   /// The endpoints of `remote` that endpoint_allow lets us reach; throws AccessDenied when

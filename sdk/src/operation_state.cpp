@@ -103,8 +103,19 @@ void OperationState::finish(OperationStatus final_status, std::optional<Error> e
     std::uint64_t bytes = 0;
     for (const Descriptor& d : local) bytes += d.size();
     const auto now = std::chrono::steady_clock::now();
-    core->stats.ended(method(), final_status, bytes, now - created_,
-                      claimed_at_ ? *claimed_at_ - created_ : std::chrono::nanoseconds(-1));
+    const std::optional<PeerIdentity> with = peer();
+    OperationEnd end;
+    end.method = method();
+    end.kind = kind;
+    end.passive = passive;
+    end.status = final_status;
+    if (final_status != OperationStatus::complete) end.code = reason.code();
+    end.bytes = bytes;
+    end.latency = now - created_;
+    if (claimed_at_) end.wait = *claimed_at_ - created_;
+    end.peer = with ? &*with : nullptr;
+    core->stats.ended(end);
+    core->refresh_gauges();
   }
 
   std::vector<CompletionCallback> callbacks;
@@ -140,8 +151,15 @@ void OperationState::completed_here(const std::string& m) {
   std::uint64_t bytes = 0;
   for (const Descriptor& d : local) bytes += d.size();
   core->stats.started(passive);
-  core->stats.ended(m, OperationStatus::complete, bytes,
-                    std::chrono::steady_clock::now() - created_);
+  const std::optional<PeerIdentity> with = peer();
+  OperationEnd end;
+  end.method = m;
+  end.kind = kind;
+  end.passive = passive;
+  end.bytes = bytes;
+  end.latency = std::chrono::steady_clock::now() - created_;
+  end.peer = with ? &*with : nullptr;
+  core->stats.ended(end);
   set_status(OperationStatus::complete);
 }
 

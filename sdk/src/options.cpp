@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string_view>
 
 #include <ferry/error.hpp>
 
@@ -50,6 +51,10 @@ NatsOptions resolve(NatsOptions o, const std::string& connector_name) {
     fill(o.tls_key_file, "FERRY_NATS_TLS_KEY");
     fill(o.connection_name, "FERRY_NATS_NAME");
     fill(o.prefix, "FERRY_NATS_PREFIX");
+    if (const char* v = std::getenv("FERRY_NATS_STATS");
+        v != nullptr && (std::string_view(v) == "0" || std::string_view(v) == "off" ||
+                         std::string_view(v) == "false"))
+      o.answer_stats = false;
   }
   // An entry may hold a comma-separated list, as FERRY_NATS_URL does: both read alike.
   std::vector<std::string> servers;

@@ -64,6 +64,25 @@ double LatencyHistogram::percentile_us(double q) const noexcept {
   return static_cast<double>(max_ns_) / 1e3;
 }
 
+double LatencyHistogram::sum_seconds() const noexcept { return static_cast<double>(sum_ns_) / 1e9; }
+
+std::uint64_t LatencyHistogram::count_at_most(std::chrono::nanoseconds limit) const noexcept {
+  if (count_ == 0 || limit.count() < 0) return 0;
+  const auto most = static_cast<std::uint64_t>(limit.count());
+  if (most >= max_ns_) return count_;
+  if (most < min_ns_) return 0;
+  std::uint64_t n = 0;
+  for (int b = 0; b < kBuckets; ++b) {
+    const std::uint64_t low = bucket_low(b);
+    if (low > most) break;
+    const std::uint64_t high = b + 1 < kBuckets ? bucket_low(b + 1) : max_ns_ + 1;
+    // A bucket wholly below the limit counts; one that holds it, by its middle.
+    if (high - 1 <= most || (low + (high - 1)) / 2 <= most)
+      n += buckets_[static_cast<std::size_t>(b)];
+  }
+  return n;
+}
+
 double LatencyHistogram::min_us() const noexcept { return static_cast<double>(min_ns_) / 1e3; }
 double LatencyHistogram::max_us() const noexcept { return static_cast<double>(max_ns_) / 1e3; }
 double LatencyHistogram::mean_us() const noexcept {
@@ -99,6 +118,22 @@ nlohmann::json outcome_json(const OutcomeCounts& c) {
   return {{"operations", c.operations}, {"bytes", c.bytes}};
 }
 
+nlohmann::json errors_json(const std::vector<ErrorCount>& errors) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const ErrorCount& e : errors) j[std::string(to_string(e.code))] = e.operations;
+  return j;
+}
+
+const char* kind_name(OperationKind kind) {
+  return kind == OperationKind::read ? "read" : kind == OperationKind::write ? "write" : "unknown";
+}
+
+const char* outcome_name(OperationStatus status) {
+  return status == OperationStatus::complete    ? "complete"
+         : status == OperationStatus::cancelled ? "cancelled"
+                                                : "errored";
+}
+
 }  // namespace
 
 std::string ConnectorStats::to_text() const {
@@ -123,30 +158,90 @@ std::string ConnectorStats::to_text() const {
                 static_cast<unsigned long long>(active), static_cast<unsigned long long>(passive),
                 static_cast<unsigned long long>(live));
   out += line;
+  out += "bytes: " + human_bytes(bytes_in) + " in, " + human_bytes(bytes_out) + " out\n";
+  if (!errors.empty()) {
+    out += "errors:";
+    for (const ErrorCount& e : errors)
+      out += " " + std::string(to_string(e.code)) + " " + std::to_string(e.operations);
+    out += "\n";
+  }
+  if (!connections.empty()) {
+    out += "connections:";
+    for (const auto& [method, n] : connections) out += " " + method + " " + std::to_string(n);
+    out += "\n";
+  }
+  if (regions + attachments > 0)
+    out += "regions: " + std::to_string(regions) + " served, " + std::to_string(attachments) +
+           " attached\n";
   return out;
 }
 
 std::string ConnectorStats::to_json() const {
   nlohmann::json j;
   j["methods"] = nlohmann::json::array();
-  for (const MethodStats& m : methods)
+  for (const MethodStats& m : methods) {
+    nlohmann::json counts = nlohmann::json::array();
+    for (const OperationCount& c : m.counts)
+      counts.push_back({{"kind", kind_name(c.kind)},
+                        {"role", c.passive ? "passive" : "active"},
+                        {"outcome", outcome_name(c.outcome)},
+                        {"operations", c.operations},
+                        {"bytes", c.bytes}});
     j["methods"].push_back({{"method", m.method},
                             {"complete", outcome_json(m.complete)},
                             {"cancelled", outcome_json(m.cancelled)},
                             {"errored", outcome_json(m.errored)},
                             {"latency", histogram_json(m.latency)},
                             {"wait", histogram_json(m.wait)},
-                            {"transfer", histogram_json(m.transfer)}});
+                            {"transfer", histogram_json(m.transfer)},
+                            {"counts", std::move(counts)},
+                            {"errors", errors_json(m.errors)},
+                            {"bytes_in", m.bytes_in},
+                            {"bytes_out", m.bytes_out},
+                            {"fallbacks", m.fallbacks}});
+  }
   j["latency"] = histogram_json(latency);
   j["wait"] = histogram_json(wait);
   j["transfer"] = histogram_json(transfer);
   j["active"] = active;
   j["passive"] = passive;
   j["live"] = live;
+  j["errors"] = errors_json(errors);
+  j["bytes_in"] = bytes_in;
+  j["bytes_out"] = bytes_out;
+  j["peers"] = nlohmann::json::array();
+  for (const PeerStats& p : peers)
+    j["peers"].push_back({{"name", p.name},
+                          {"id", p.id},
+                          {"host", p.host},
+                          {"operations", p.operations},
+                          {"errored", p.errored},
+                          {"bytes_in", p.bytes_in},
+                          {"bytes_out", p.bytes_out}});
+  j["connections"] = nlohmann::json::object();
+  for (const auto& [method, n] : connections) j["connections"][method] = n;
+  j["regions"] = regions;
+  j["attachments"] = attachments;
+  j["nats_reconnects"] = nats_reconnects;
   return j.dump();
 }
 
 namespace detail {
+
+namespace {
+
+void count_error(std::vector<ErrorCount>& errors, ErrorCode code) {
+  auto it = std::lower_bound(errors.begin(), errors.end(), code,
+                             [](const ErrorCount& e, ErrorCode c) { return e.code < c; });
+  if (it == errors.end() || it->code != code) it = errors.insert(it, ErrorCount{code, 0});
+  ++it->operations;
+}
+
+// Whether an ended operation's bytes came into this process's memory: a read it made, or a
+// peer's write into its writable.
+bool inbound(OperationKind kind, bool passive) { return (kind == OperationKind::read) != passive; }
+
+}  // namespace
 
 void StatsRecorder::started(bool passive) noexcept {
   std::lock_guard lock(mu_);
@@ -154,11 +249,7 @@ void StatsRecorder::started(bool passive) noexcept {
   ++snapshot_.live;
 }
 
-void StatsRecorder::ended(const std::string& method, OperationStatus status, std::uint64_t bytes,
-                          std::chrono::nanoseconds latency, std::chrono::nanoseconds wait) {
-  const std::string& name = method.empty() ? std::string("none") : method;
-  std::lock_guard lock(mu_);
-  if (snapshot_.live > 0) --snapshot_.live;
+MethodStats& StatsRecorder::method_entry(const std::string& name) {
   auto it = std::find_if(snapshot_.methods.begin(), snapshot_.methods.end(),
                          [&](const MethodStats& m) { return m.method == name; });
   if (it == snapshot_.methods.end()) {
@@ -169,27 +260,106 @@ void StatsRecorder::ended(const std::string& method, OperationStatus status, std
                          [](const std::string& n, const MethodStats& m) { return n < m.method; }),
         std::move(fresh));
   }
-  OutcomeCounts& counts = status == OperationStatus::complete    ? it->complete
-                          : status == OperationStatus::cancelled ? it->cancelled
-                                                                 : it->errored;
+  return *it;
+}
+
+void StatsRecorder::ended(const OperationEnd& end) {
+  const std::string name = end.method.empty() ? std::string("none") : end.method;
+  const bool complete = end.status == OperationStatus::complete;
+  std::lock_guard lock(mu_);
+  if (snapshot_.live > 0) --snapshot_.live;
+  MethodStats& m = method_entry(name);
+  OutcomeCounts& counts = complete                                   ? m.complete
+                          : end.status == OperationStatus::cancelled ? m.cancelled
+                                                                     : m.errored;
   ++counts.operations;
-  counts.bytes += bytes;
-  if (status == OperationStatus::complete) {
-    it->latency.record(latency);
-    snapshot_.latency.record(latency);
-    const auto transfer = wait.count() >= 0 ? latency - wait : latency;
-    it->transfer.record(transfer);
-    snapshot_.transfer.record(transfer);
-    if (wait.count() >= 0) {
-      it->wait.record(wait);
-      snapshot_.wait.record(wait);
-    }
+  counts.bytes += end.bytes;
+  const OperationStatus outcome =
+      complete || end.status == OperationStatus::cancelled ? end.status : OperationStatus::errored;
+  auto split = std::find_if(m.counts.begin(), m.counts.end(), [&](const OperationCount& c) {
+    return c.kind == end.kind && c.passive == end.passive && c.outcome == outcome;
+  });
+  if (split == m.counts.end()) {
+    m.counts.push_back(OperationCount{end.kind, end.passive, outcome, 0, 0});
+    split = std::prev(m.counts.end());
   }
+  ++split->operations;
+  split->bytes += end.bytes;
+  const bool in = inbound(end.kind, end.passive);
+  if (complete) {
+    (in ? m.bytes_in : m.bytes_out) += end.bytes;
+    (in ? snapshot_.bytes_in : snapshot_.bytes_out) += end.bytes;
+    m.latency.record(end.latency);
+    snapshot_.latency.record(end.latency);
+    const auto transfer = end.wait.count() >= 0 ? end.latency - end.wait : end.latency;
+    m.transfer.record(transfer);
+    snapshot_.transfer.record(transfer);
+    if (end.wait.count() >= 0) {
+      m.wait.record(end.wait);
+      snapshot_.wait.record(end.wait);
+    }
+  } else {
+    const ErrorCode code = end.code.value_or(
+        end.status == OperationStatus::cancelled ? ErrorCode::Cancelled : ErrorCode::Internal);
+    count_error(m.errors, code);
+    count_error(snapshot_.errors, code);
+  }
+  if (end.peer == nullptr || end.peer->id.empty()) return;
+  auto peer = peers_.find(end.peer->id);
+  if (peer == peers_.end()) {
+    if (peers_.size() >= ConnectorStats::kPeersKept) {
+      // Forget the peer with the fewest bytes to make room.
+      auto least = std::min_element(peers_.begin(), peers_.end(), [](const auto& a, const auto& b) {
+        return a.second.bytes_in + a.second.bytes_out < b.second.bytes_in + b.second.bytes_out;
+      });
+      peers_.erase(least);
+    }
+    PeerStats fresh;
+    fresh.id = end.peer->id;
+    peer = peers_.emplace(end.peer->id, std::move(fresh)).first;
+  }
+  PeerStats& p = peer->second;
+  if (!end.peer->name.empty()) p.name = end.peer->name;
+  if (!end.peer->host.empty()) p.host = end.peer->host;
+  ++p.operations;
+  if (end.status == OperationStatus::errored) ++p.errored;
+  if (complete) (in ? p.bytes_in : p.bytes_out) += end.bytes;
+}
+
+void StatsRecorder::fell_back(const std::string& method) {
+  std::lock_guard lock(mu_);
+  ++method_entry(method).fallbacks;
+}
+
+void StatsRecorder::set_gauges(std::vector<std::pair<std::string, std::uint64_t>> connections,
+                               std::uint64_t regions, std::uint64_t attachments) {
+  std::lock_guard lock(mu_);
+  snapshot_.connections = std::move(connections);
+  snapshot_.regions = regions;
+  snapshot_.attachments = attachments;
 }
 
 ConnectorStats StatsRecorder::snapshot() const {
   std::lock_guard lock(mu_);
-  return snapshot_;
+  ConnectorStats s = snapshot_;
+  s.peers.reserve(std::min(peers_.size(), ConnectorStats::kMaxPeers));
+  for (const auto& [id, p] : peers_) s.peers.push_back(p);
+  auto busier = [](const PeerStats& a, const PeerStats& b) {
+    const auto ab = a.bytes_in + a.bytes_out;
+    const auto bb = b.bytes_in + b.bytes_out;
+    return ab != bb                       ? ab > bb
+           : a.operations != b.operations ? a.operations > b.operations
+                                          : a.id < b.id;
+  };
+  if (s.peers.size() > ConnectorStats::kMaxPeers) {
+    std::partial_sort(s.peers.begin(),
+                      s.peers.begin() + static_cast<std::ptrdiff_t>(ConnectorStats::kMaxPeers),
+                      s.peers.end(), busier);
+    s.peers.resize(ConnectorStats::kMaxPeers);
+  } else {
+    std::sort(s.peers.begin(), s.peers.end(), busier);
+  }
+  return s;
 }
 
 }  // namespace detail

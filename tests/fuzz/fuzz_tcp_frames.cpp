@@ -746,8 +746,8 @@ struct ServerSide {
     for (auto it = from; it != to; ++it) {
       const ReadSent& r = it->second;
       if (r.op_id != readable.op_id || r.token != readable.token) continue;
-      if (r.addr != f.h.addr || r.len != f.payload.size() || r.addr < readable.base || r.len > readable.size ||
-          r.addr - readable.base > readable.size - r.len)
+      if (r.addr != f.h.addr || r.len != f.payload.size() || r.addr < readable.base ||
+          r.len > readable.size || r.addr - readable.base > readable.size - r.len)
         continue;
       const std::size_t off = r.addr - readable.base;
       bool same = true;
@@ -925,10 +925,10 @@ void server_side(Input& in, World& w, bool region_mode) {
   // just fails), so that an input replays the same frames.
   for (int i = 0; i < frames && in_frame && !must_close; ++i) {
     // Region mode adds ENDED, DETACH and READ_RANGES (on the attachment, or made up).
-    static constexpr std::uint8_t kTypes[] = {READ,   READ, READ,  WRITE, WRITE,  WRITE,
-                                              DONE,   DONE, HELLO, DATA,  STATUS, 0,
-                                              7,      ENDED, DETACH, READ_RANGES};
-    const std::uint8_t pick = in.u8() % (region_mode ? 16 : 13);
+    static constexpr std::uint8_t kTypes[] = {READ, READ,  READ,   WRITE,      WRITE,  WRITE,
+                                              DONE, DONE,  HELLO,  DATA,       STATUS, 0,
+                                              7,    ENDED, DETACH, READ_RANGES};
+    const auto pick = static_cast<std::uint8_t>(in.u8() % (region_mode ? 16 : 13));
     const std::uint8_t type = kTypes[pick];
     const bool writable_target = in.u8() % 2 == 1;
     const Live& target = live[writable_target ? 1 : 0];
@@ -1162,7 +1162,8 @@ struct ClientSide {
         total += len;
         if (len == 0 || total > kChunk || !stream_offset(addr, len)) {
           problem = "the client's READ_RANGES names [" + std::to_string(addr) + ", +" +
-                    std::to_string(len) + "), empty, outside the metadata's descriptors or past "
+                    std::to_string(len) +
+                    "), empty, outside the metadata's descriptors or past "
                     "a chunk in all";
           return;
         }

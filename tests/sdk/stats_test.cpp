@@ -205,5 +205,143 @@ TEST(ConnectorStats, TextAndJsonCarryTheSameNumbers) {
   EXPECT_NE(text.find("1000 B"), std::string::npos) << text;
 }
 
+TEST(LatencyHistogram, CountAtMostIsCumulativeAndAgreesWithTheSamples) {
+  LatencyHistogram h;
+  for (auto d : {5us, 50us, 500us, 5000us, 50000us}) h.record(d);
+  EXPECT_EQ(h.count_at_most(1us), 0u);
+  EXPECT_EQ(h.count_at_most(10us), 1u);
+  EXPECT_EQ(h.count_at_most(100us), 2u);
+  EXPECT_EQ(h.count_at_most(1ms), 3u);
+  EXPECT_EQ(h.count_at_most(10ms), 4u);
+  EXPECT_EQ(h.count_at_most(1s), 5u);
+  EXPECT_NEAR(h.sum_seconds(), 0.055555, 1e-9);
+  // Monotonic over a fine sweep.
+  std::uint64_t last = 0;
+  for (std::int64_t ns = 1; ns < 100'000'000; ns = ns * 11 / 10 + 1) {
+    const std::uint64_t n = h.count_at_most(std::chrono::nanoseconds(ns));
+    EXPECT_GE(n, last) << ns;
+    last = n;
+  }
+}
+
+// Kind, role and direction: a read and a write between two connectors, seen from both.
+TEST(ConnectorStats, SplitsByKindRoleAndDirectionAndNamesThePeer) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  auto src = patterned(3000, 1);
+  auto dst = buffer(3000);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  ASSERT_TRUE(readable.wait_for_completion(kWait));
+  auto into = buffer(700);
+  auto from = patterned(700, 2);
+  auto writable = owner.create_writable({Descriptor(into.data(), into.size())});
+  auto write = peer.begin_write({Descriptor(from.data(), from.size())}, writable.metadata());
+  ASSERT_TRUE(write.wait_for_completion(kWait));
+  ASSERT_TRUE(writable.wait_for_completion(kWait));
+
+  // The peer read 3000 bytes in and wrote 700 out; the owner the other way round.
+  const ConnectorStats p = peer.stats();
+  EXPECT_EQ(p.bytes_in, 3000u) << p.to_text();
+  EXPECT_EQ(p.bytes_out, 700u);
+  const ConnectorStats o = owner.stats();
+  EXPECT_EQ(o.bytes_in, 700u) << o.to_text();
+  EXPECT_EQ(o.bytes_out, 3000u);
+  const MethodStats* m = find(p, read.method());
+  ASSERT_NE(m, nullptr);
+  ASSERT_EQ(m->counts.size(), 2u);
+  for (const OperationCount& c : m->counts) {
+    EXPECT_FALSE(c.passive);
+    EXPECT_EQ(c.outcome, OperationStatus::complete);
+    EXPECT_EQ(c.operations, 1u);
+    EXPECT_EQ(c.bytes, c.kind == OperationKind::read ? 3000u : 700u);
+  }
+  const MethodStats* om = find(o, read.method());
+  ASSERT_NE(om, nullptr);
+  for (const OperationCount& c : om->counts) EXPECT_TRUE(c.passive);
+  // Each knows the other as its peer, with the bytes each way.
+  ASSERT_EQ(p.peers.size(), 1u);
+  EXPECT_EQ(p.peers[0].name, "owner");
+  EXPECT_EQ(p.peers[0].id, owner.identity().id);
+  EXPECT_EQ(p.peers[0].operations, 2u);
+  EXPECT_EQ(p.peers[0].bytes_in, 3000u);
+  EXPECT_EQ(p.peers[0].bytes_out, 700u);
+  ASSERT_EQ(o.peers.size(), 1u);
+  EXPECT_EQ(o.peers[0].id, peer.identity().id);
+  EXPECT_EQ(o.peers[0].bytes_in, 700u);
+  // The connection each holds, counted for its method; 0 for the methods unused.
+  std::uint64_t held = 0;
+  for (const auto& [method, n] : p.connections) {
+    if (method == read.method())
+      held = n;
+    else
+      EXPECT_EQ(n, 0u) << method;
+  }
+  EXPECT_GE(held, 1u) << p.to_text();
+  const auto j = nlohmann::json::parse(p.to_json());
+  EXPECT_EQ(j["bytes_in"], 3000);
+  EXPECT_EQ(j["peers"][0]["id"], owner.identity().id);
+  EXPECT_EQ(j["connections"][read.method()], held);
+}
+
+TEST(ConnectorStats, CountsErrorsByCode) {
+  Connector owner(test::named("owner"));
+  auto mem = buffer(64);
+  {
+    auto never_claimed = owner.create_readable({Descriptor(mem.data(), mem.size())});
+    never_claimed.cancel();
+  }
+  OperationOptions quick;
+  quick.timeout = 20ms;
+  for (int i = 0; i < 2; ++i) {
+    auto timed_out = owner.create_writable({Descriptor(mem.data(), mem.size())}, quick);
+    EXPECT_THROW(timed_out.wait_for_completion(), Error);
+  }
+  const ConnectorStats s = owner.stats();
+  ASSERT_EQ(s.errors.size(), 2u) << s.to_text();
+  EXPECT_EQ(s.errors[0].code, ErrorCode::Timeout);  // ordered by code
+  std::uint64_t timeouts = 0;
+  std::uint64_t cancels = 0;
+  for (const ErrorCount& e : s.errors) {
+    if (e.code == ErrorCode::Timeout) timeouts = e.operations;
+    if (e.code == ErrorCode::Cancelled) cancels = e.operations;
+  }
+  EXPECT_EQ(timeouts, 2u);
+  EXPECT_EQ(cancels, 1u);
+  const MethodStats* none = find(s, "none");
+  ASSERT_NE(none, nullptr);
+  EXPECT_EQ(none->errors.size(), 2u);
+  EXPECT_NE(s.to_text().find("Timeout 2"), std::string::npos) << s.to_text();
+  EXPECT_EQ(nlohmann::json::parse(s.to_json())["errors"]["Timeout"], 2);
+  // Split by outcome too: the writables errored, the readable was cancelled.
+  for (const OperationCount& c : none->counts)
+    EXPECT_EQ(c.outcome, c.kind == OperationKind::write ? OperationStatus::errored
+                                                        : OperationStatus::cancelled);
+}
+
+// A method refused at set-up falls back to the next: counted for the refusing method.
+TEST(ConnectorStats, CountsSetUpFallbacks) {
+  Connector owner(test::named("owner"));
+  Connector reader(test::named("reader"));
+  auto src = patterned(512, 4);
+  auto dst = buffer(512);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  RdmaMetadata m = readable.metadata();
+  // An endpoint of the best method that nothing listens at: its set-up fails, the next works.
+  ASSERT_GE(m.endpoints.size(), 2u) << "needs two methods (cma and tcp)";
+  if (m.endpoints[0].method != "tcp") {
+    m.endpoints[0].address = "@ferry-nobody-" + owner.identity().id;
+  } else {
+    GTEST_SKIP() << "tcp is the best method here: nothing to fall back to";
+  }
+  auto read = reader.begin_read(m, {Descriptor(dst.data(), dst.size())});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  const ConnectorStats s = reader.stats();
+  const MethodStats* refused = find(s, m.endpoints[0].method);
+  ASSERT_NE(refused, nullptr) << s.to_text();
+  EXPECT_EQ(refused->fallbacks, 1u);
+}
+
 }  // namespace
 }  // namespace ferry

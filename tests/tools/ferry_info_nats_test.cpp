@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/support/nats_server.hpp"
-#include "tests/tools/ferry_info_run.hpp"
+#include "tests/tools/tool_run.hpp"
 
 namespace ferry::test {
 namespace {

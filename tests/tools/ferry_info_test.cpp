@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "build_config.hpp"
-#include "tests/tools/ferry_info_run.hpp"
+#include "tests/tools/tool_run.hpp"
 
 namespace ferry::test {
 namespace {

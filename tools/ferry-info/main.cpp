@@ -39,6 +39,7 @@
 #include <nlohmann/json.hpp>
 
 #include "build_config.hpp"
+#include "tools/common/nats_client.hpp"
 #if FERRY_HAS_VERBS
 #include "transport/verbs/verbs_devices.hpp"
 #endif
@@ -48,6 +49,12 @@
 
 namespace {
 
+using ferry::tools::connect_options;
+using ferry::tools::env;
+using ferry::tools::failure_text;
+using ferry::tools::NatsConnectionPtr;
+using ferry::tools::NatsOptionsPtr;
+using ferry::tools::split_list;
 using json = nlohmann::ordered_json;  // keys in the order the text shows them
 
 constexpr const char* kNotBuilt = "not built into this version of ferry";
@@ -85,31 +92,10 @@ struct Args {
   std::chrono::milliseconds timeout{2000};
 };
 
-std::vector<std::string> split_list(std::string_view list) {
-  std::vector<std::string> out;
-  while (!list.empty()) {
-    std::size_t comma = list.find(',');
-    std::string_view item = list.substr(0, comma);
-    std::size_t first = item.find_first_not_of(" \t");
-    if (first != std::string_view::npos)
-      out.emplace_back(item.substr(first, item.find_last_not_of(" \t") - first + 1));
-    if (comma == std::string_view::npos) break;
-    list.remove_prefix(comma + 1);
-  }
-  return out;
-}
-
 std::string join(const std::vector<std::string>& items, const char* separator = ", ") {
   std::string out;
   for (const auto& item : items) out += (out.empty() ? "" : separator) + item;
   return out;
-}
-
-/// The environment variable `name`, or nothing when it is unset or empty (as ferry reads it).
-std::optional<std::string> env(const char* name) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return std::nullopt;
-  return std::string(value);
 }
 
 std::chrono::milliseconds parse_timeout(std::string_view text) {
@@ -346,73 +332,6 @@ json rdma_facts() {
 
 // ---- NATS ------------------------------------------------------------------------------------
 
-/// Throws std::runtime_error naming `what` when a cnats call failed.
-void check(natsStatus status, const char* what) {
-  if (status != NATS_OK)
-    throw std::runtime_error(std::string(what) + ": " + natsStatus_GetText(status));
-}
-
-/// The credentials ferry's side channel takes from the environment (docs/sidechannel.md).
-void apply_credentials(natsOptions* options) {
-  auto user = env("FERRY_NATS_USER"), password = env("FERRY_NATS_PASSWORD");
-  if (user || password)
-    check(
-        natsOptions_SetUserInfo(options, user.value_or("").c_str(), password.value_or("").c_str()),
-        "FERRY_NATS_USER/PASSWORD");
-  if (auto token = env("FERRY_NATS_TOKEN"))
-    check(natsOptions_SetToken(options, token->c_str()), "FERRY_NATS_TOKEN");
-  if (auto creds = env("FERRY_NATS_CREDS"))
-    check(natsOptions_SetUserCredentialsFromFiles(options, creds->c_str(), nullptr),
-          "FERRY_NATS_CREDS");
-  auto nkey = env("FERRY_NATS_NKEY"), seed = env("FERRY_NATS_NKEY_SEED_FILE");
-  if (nkey || seed)
-    check(
-        natsOptions_SetNKeyFromSeed(options, nkey.value_or("").c_str(), seed.value_or("").c_str()),
-        "FERRY_NATS_NKEY");
-  auto ca = env("FERRY_NATS_TLS_CA"), cert = env("FERRY_NATS_TLS_CERT"),
-       key = env("FERRY_NATS_TLS_KEY");
-  if (ca || cert || key) check(natsOptions_SetSecure(options, true), "TLS");
-  if (ca) check(natsOptions_LoadCATrustedCertificates(options, ca->c_str()), "FERRY_NATS_TLS_CA");
-  if (cert || key)
-    check(natsOptions_LoadCertificatesChain(options, cert.value_or("").c_str(),
-                                            key.value_or("").c_str()),
-          "FERRY_NATS_TLS_CERT/KEY");
-}
-
-using NatsOptionsPtr = std::unique_ptr<natsOptions, void (*)(natsOptions*)>;
-using NatsConnectionPtr = std::unique_ptr<natsConnection, void (*)(natsConnection*)>;
-
-/// One try over `servers`, in order, without reconnecting.
-NatsOptionsPtr connect_options(const std::vector<std::string>& servers,
-                               std::chrono::milliseconds timeout) {
-  natsOptions* raw = nullptr;
-  check(natsOptions_Create(&raw), "natsOptions_Create");
-  NatsOptionsPtr options(raw, natsOptions_Destroy);
-  std::vector<const char*> urls;
-  for (const auto& url : servers) urls.push_back(url.c_str());
-  check(natsOptions_SetServers(options.get(), urls.data(), static_cast<int>(urls.size())),
-        "servers");
-  check(natsOptions_SetNoRandomize(options.get(), true), "servers");
-  check(natsOptions_SetTimeout(options.get(), timeout.count()), "timeout");
-  check(natsOptions_SetAllowReconnect(options.get(), false), "reconnect");
-  check(natsOptions_SetName(options.get(), "ferry-info"), "name");
-  apply_credentials(options.get());
-  return options;
-}
-
-/// The status's text, with cnats' own account of the last failure on this thread when it
-/// says more ("Timeout").
-std::string failure_text(natsStatus status) {
-  std::string why = natsStatus_GetText(status);
-  const char* last = nats_GetLastError(nullptr);
-  std::string detail = last != nullptr ? last : "";
-  // cnats puts the source location first: "(conn.c:2088): No server available for connection".
-  if (auto end = detail.find("): "); detail.starts_with("(") && end != std::string::npos)
-    detail.erase(0, end + 3);
-  if (!detail.empty() && detail != why) why += " (" + detail + ")";
-  return why;
-}
-
 json connection_facts(natsConnection* connection, std::chrono::milliseconds timeout) {
   json facts = {{"reachable", true}};
   char text[512];
@@ -439,7 +358,7 @@ json connection_facts(natsConnection* connection, std::chrono::milliseconds time
 
 json reach(const std::vector<std::string>& servers, std::chrono::milliseconds timeout) {
   try {
-    NatsOptionsPtr options = connect_options(servers, timeout);
+    NatsOptionsPtr options = connect_options(servers, timeout, "ferry-info", false);
     natsConnection* raw = nullptr;
     natsStatus status = natsConnection_Connect(&raw, options.get());
     if (status != NATS_OK) return {{"reachable", false}, {"error", failure_text(status)}};

@@ -36,6 +36,7 @@ class StreamListener {
 
   int fd() const noexcept { return fd_; }
   Admission& admission() noexcept { return admission_; }
+  const Admission& admission() const noexcept { return admission_; }
   /// Stops accepting and closes the socket.
   void close();
 

@@ -77,6 +77,10 @@ class Listener final : private wire::StreamConnection::Handler {
                                                  const std::string& peer_id) const {
     return regions_.attachments_of_peer(id, peer_id);
   }
+  /// Peers connected now.
+  std::size_t connections() const noexcept {
+    return socket_ ? socket_->admission().connections() : 0;
+  }
   /// Grants given up because a peer's copy outlived peer_timeout after a revoke (for tests).
   std::uint32_t quarantined_grants() const noexcept { return grants_.quarantined(); }
 

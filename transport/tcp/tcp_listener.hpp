@@ -55,6 +55,10 @@ class TcpListener final : private wire::StreamConnection::Handler {
                                                  const std::string& peer_id) const {
     return regions_.attachments_of_peer(id, peer_id);
   }
+  /// Peers connected now.
+  std::size_t connections() const noexcept {
+    return socket_ ? socket_->admission().connections() : 0;
+  }
 
  private:
   /// A request served through a staging unit: a READ being copied out of the device and sent,

@@ -46,6 +46,9 @@ class TcpTransport final : public Transport, private kit::TransferHooks<TcpTrans
                                                  const std::string& peer_id) const override {
     return listener_->attachments_of_peer(id, peer_id);
   }
+  std::size_t connections() const override {
+    return links_.size() + (listener_ ? listener_->connections() : 0);
+  }
   std::unique_ptr<RemoteRegion> attach(AttachSpec spec, AttachObserver& observer) override;
 
  private:

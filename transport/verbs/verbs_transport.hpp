@@ -315,6 +315,7 @@ class VerbsTransport final : public Transport, private Devices::Handler, private
                                                  const std::string& peer_id) const override {
     return server_->attachments_of_peer(id, peer_id);
   }
+  std::size_t connections() const override { return conns_.size(); }
 
   const Counters& counters() const noexcept { return counters_; }
   /// Whether the devices have type-2 memory windows and they are in use.

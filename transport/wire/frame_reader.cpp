@@ -1,6 +1,7 @@
 #include "transport/wire/frame_reader.hpp"
 
 #include <algorithm>
+#include <memory>
 
 #include "loop/ids.hpp"
 
@@ -8,8 +9,15 @@ namespace ferry::transport::wire {
 
 namespace {
 
-// Payloads nobody wants are read into this and dropped.
-thread_local std::byte discard_buffer[256 * 1024];
+// Payloads nobody wants are read into this and dropped: one per thread, allocated on the
+// thread's first use (never static TLS, which every thread's stack would carry: see
+// stream_connection.cpp).
+constexpr std::size_t kDiscardSize = 256 * 1024;
+std::byte* discard_buffer() {
+  thread_local std::unique_ptr<std::byte[]> buffer;
+  if (!buffer) buffer = std::make_unique_for_overwrite<std::byte[]>(kDiscardSize);
+  return buffer.get();
+}
 
 }  // namespace
 
@@ -24,13 +32,13 @@ std::span<std::byte> FrameReader::next() noexcept {
       if (sink_.dest != nullptr)
         return {sink_.dest + got_,
                 static_cast<std::size_t>(std::min<std::uint64_t>(rest, 1u << 30))};
-      return {discard_buffer,
-              static_cast<std::size_t>(std::min<std::uint64_t>(rest, sizeof discard_buffer))};
+      return {discard_buffer(),
+              static_cast<std::size_t>(std::min<std::uint64_t>(rest, kDiscardSize))};
     }
     case State::broken:
       break;
   }
-  return {discard_buffer, sizeof discard_buffer};
+  return {discard_buffer(), kDiscardSize};
 }
 
 std::optional<std::string> FrameReader::advance(std::size_t n) {

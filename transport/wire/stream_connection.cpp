@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 
 #include "loop/ids.hpp"
 #include "transport/wire/socket.hpp"
@@ -26,8 +27,17 @@ constexpr int kMaxIov = 64;
 constexpr std::size_t kHighFrames = 4096;
 constexpr std::uint64_t kHighBytes = 8u << 20;
 
+// The per-thread buffers below are allocated on a thread's first use, never as static TLS:
+// a library's static TLS is carved out of every thread's stack in the process (ferry's 384 KiB
+// of it made prometheus-cpp's HTTP server, whose threads have small stacks, fail to start).
+
 // Input read and dropped while closing.
-thread_local std::byte drain_buffer[64 * 1024];
+constexpr std::size_t kDrainSize = 64 * 1024;
+std::byte* drain_buffer() {
+  thread_local std::unique_ptr<std::byte[]> buffer;
+  if (!buffer) buffer = std::make_unique_for_overwrite<std::byte[]>(kDrainSize);
+  return buffer.get();
+}
 
 // read_some()'s read-ahead buffer, one per thread; a payload of at least kDirect bytes is read
 // straight into its sink instead.
@@ -39,7 +49,11 @@ struct ReadAhead {
   std::size_t end = 0;
   bool in_use = false;
 };
-thread_local ReadAhead read_ahead;
+ReadAhead& read_ahead() {
+  thread_local std::unique_ptr<ReadAhead> ahead;
+  if (!ahead) ahead = std::make_unique<ReadAhead>();
+  return *ahead;
+}
 
 }  // namespace
 
@@ -309,7 +323,7 @@ void StreamConnection::close_gracefully() noexcept {
     quiet_ = true;
     if (broken_.empty()) flush();
     for (int i = 0; i < 64 && fd_ >= 0; ++i) {
-      const ssize_t n = ::read(fd_, drain_buffer, sizeof drain_buffer);
+      const ssize_t n = ::read(fd_, drain_buffer(), kDrainSize);
       if (n <= 0 && !(n < 0 && errno == EINTR)) break;
     }
     if (fd_ >= 0) ::shutdown(fd_, SHUT_WR);
@@ -406,7 +420,7 @@ void StreamConnection::drain() {
   // At most a read budget per loop turn; the watchdog, which reading does not re-arm here,
   // ends the whole drain after peer_timeout.
   for (std::uint64_t budget = kReadBudget; budget > 0;) {
-    const ssize_t n = ::read(fd_, drain_buffer, sizeof drain_buffer);
+    const ssize_t n = ::read(fd_, drain_buffer(), kDrainSize);
     if (n > 0) {
       budget -= std::min(budget, static_cast<std::uint64_t>(n));
       continue;
@@ -432,7 +446,8 @@ void StreamConnection::read_some() {
   // connection closes), so the buffer holds nothing between calls and one per thread serves
   // every connection. A nested call (a handler that makes another connection read) reads
   // without it.
-  ReadAhead* ahead = read_ahead.in_use ? nullptr : &read_ahead;
+  ReadAhead& mine = read_ahead();
+  ReadAhead* ahead = mine.in_use ? nullptr : &mine;
   if (ahead != nullptr) ahead->in_use = true;
   struct Release {
     ReadAhead* ahead;

@@ -245,9 +245,16 @@ class Connector {
   std::vector<MethodInfo> methods() const;
 
   /// What this connector's operations have come to since it started: operations and bytes
-  /// by method and outcome, latency of completed ones, how many are live. Any thread; a
-  /// snapshot taken under a short lock, without waiting for the loop.
+  /// by method, kind, role and outcome, errors by code, latency of completed ones, the
+  /// busiest peers, how many are live; and what it holds (connections by method, regions) as
+  /// its loop last counted it (ConnectorStats::connections). Any thread; a snapshot taken
+  /// under a short lock, without waiting for the loop (on the loop thread it counts first).
   ConnectorStats stats() const;
+  /// The same figures in the Prometheus text format, as the endpoint of
+  /// ConnectorOptions::metrics serves them (docs/operations.md lists the metrics), counting
+  /// the connections first (waiting at most 100 ms for the loop). Throws Error(Unsupported) in
+  /// a build without prometheus-cpp. Any thread.
+  std::string metrics() const;
 
  private:
   static Descriptor bytes_descriptor(std::span<std::byte> memory) {

@@ -14,6 +14,18 @@ struct uv_loop_s;
 
 namespace ferry {
 
+/// The Prometheus endpoint (docs/operations.md). Off unless an address is given.
+struct MetricsOptions {
+  /// "host:port" (or "[v6]:port") to serve GET /metrics on in the Prometheus text format,
+  /// e.g. "127.0.0.1:9464"; every connector of the process that names the same address is
+  /// served there, told apart by the labels connector and connector_id. Empty:
+  /// FERRY_METRICS_LISTEN (under ConnectorOptions::use_environment), else off. The server is
+  /// a thread of its own (prometheus-cpp's); a scrape reads stats() and asks the loop only to
+  /// count its connections. Error(Unsupported) at construction in a build without
+  /// prometheus-cpp, InvalidArgument when the address cannot be served.
+  std::string listen;
+};
+
 /// The TCP transport's settings.
 struct TcpOptions {
   /// Address the listener binds to. Empty: the local address of the NATS connection's socket
@@ -163,6 +175,12 @@ struct NatsOptions {
   /// metadata"). answers_per_second 0: no limit.
   int answer_burst = 32;
   int answers_per_second = 16;
+  /// Whether this connector answers requests at the well-known stats subject "<prefix>.stats"
+  /// with its name, id, host, methods, side channel state and stats() as JSON, so that
+  /// `ferry-top` can see the whole cluster (docs/operations.md). Answered on the NATS
+  /// delivery thread, within the answer limit above; the loop only counts its connections
+  /// (at most 100 ms waited for it). FERRY_NATS_STATS=0 turns it off as false does.
+  bool answer_stats = true;
   /// Whether the FERRY_NATS_* variables fill what is left empty here. The connector's other
   /// variables follow ConnectorOptions::use_environment.
   bool use_environment = true;
@@ -201,8 +219,9 @@ struct ConnectorOptions {
   /// without a list, whoever can hand metadata to this connector can make it connect anywhere
   /// (see docs/design.md, "Trust").
   std::vector<std::string> endpoint_allow;
-  /// Whether the connector reads FERRY_TRANSPORTS, FERRY_CMA_PTRACER_ANY and FERRY_LOG for
-  /// what is left at its default here. The NATS variables follow NatsOptions::use_environment.
+  /// Whether the connector reads FERRY_TRANSPORTS, FERRY_CMA_PTRACER_ANY, FERRY_LOG and
+  /// FERRY_METRICS_LISTEN for what is left at its default here. The NATS variables follow
+  /// NatsOptions::use_environment.
   bool use_environment = true;
   /// Where diagnostics go: stderr, warnings and errors, by default (see LogOptions).
   LogOptions log;
@@ -211,6 +230,7 @@ struct ConnectorOptions {
   CmaOptions cma;
   VerbsOptions verbs;
   NatsOptions nats;
+  MetricsOptions metrics;
 };
 
 }  // namespace ferry

@@ -23,13 +23,13 @@ struct ToolRun {
   std::string err;
 };
 
-/// Runs ferry-info (FERRY_INFO_PATH) with `args`, in this process's environment less the
-/// variables that steer it (FERRY_NATS_*, FERRY_TRANSPORTS), plus `env` ("NAME=value"). Kills it
-/// after `limit`.
-inline ToolRun run_ferry_info(const std::vector<std::string>& args,
-                              const std::vector<std::string>& env = {},
-                              std::chrono::milliseconds limit = std::chrono::seconds(30)) {
-  std::vector<std::string> argv{FERRY_INFO_PATH};
+/// Runs the program at `path` with `args`, in this process's environment less the variables
+/// that steer ferry's tools (FERRY_NATS_*, FERRY_TRANSPORTS), plus `env` ("NAME=value"). Kills
+/// it after `limit`.
+inline ToolRun run_tool(const std::string& path, const std::vector<std::string>& args,
+                        const std::vector<std::string>& env = {},
+                        std::chrono::milliseconds limit = std::chrono::seconds(30)) {
+  std::vector<std::string> argv{path};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> argp;
   for (auto& a : argv) argp.push_back(a.data());
@@ -96,5 +96,14 @@ inline ToolRun run_ferry_info(const std::vector<std::string>& args,
   if (WIFEXITED(status)) run.exit_code = WEXITSTATUS(status);
   return run;
 }
+
+#ifdef FERRY_INFO_PATH
+/// run_tool() for ferry-info (FERRY_INFO_PATH).
+inline ToolRun run_ferry_info(const std::vector<std::string>& args,
+                              const std::vector<std::string>& env = {},
+                              std::chrono::milliseconds limit = std::chrono::seconds(30)) {
+  return run_tool(FERRY_INFO_PATH, args, env, limit);
+}
+#endif
 
 }  // namespace ferry::test
