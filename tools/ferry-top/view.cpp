@@ -131,9 +131,9 @@ void View::add(const json& a, std::map<std::string, Seen>& seen) {
       auto key = std::minmax(id, peer_id);
       Pair& pair = pairs_[{key.first, key.second}];
       const std::string peer_name = p.value("name", "");
-      if (pair.a.empty()) {
-        pair.a = id == key.first ? r.name : peer_name;
-        pair.b = id == key.first ? peer_name : r.name;
+      if (pair.a.empty()) {  // by name, so that a pair reads the same in every round
+        pair.a = std::min(r.name, peer_name);
+        pair.b = std::max(r.name, peer_name);
       }
       pair.bytes = std::max(pair.bytes, total);
       if (rates) {

@@ -31,7 +31,7 @@ class View {
     std::uint64_t ended = 0;  ///< operations ended since it started
   };
   struct Pair {
-    std::string a, b;                   ///< the two connectors' names
+    std::string a, b;                   ///< the two connectors' names, in order
     std::optional<double> bytes_per_s;  ///< both ways, as the busier side reported it
     std::uint64_t bytes = 0;            ///< both ways, since the first of them started
   };
