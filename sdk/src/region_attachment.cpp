@@ -24,6 +24,7 @@ AttachmentState::~AttachmentState() = default;
 
 void AttachmentState::arm(std::chrono::milliseconds timeout) {
   core->attachments[id] = weak_from_this();
+  core->refresh_gauges();
   if (timeout.count() <= 0) return;
   deadline_ = loop::Timer::timer(core->loop->uv(), this);
   uv_update_time(core->loop->uv());
@@ -145,6 +146,7 @@ void AttachmentState::ended(const Error& error) {
   requests_.clear();
   retry_.reset();
   core->attachments.erase(id);
+  core->refresh_gauges();
   // Transfers under way or waiting end with the attachment's error; then the transport lets go
   // of the attachment (a DETACH when it was attached and the owner did not end it).
   std::vector<std::shared_ptr<RegionTransfer>> ops;

@@ -92,6 +92,7 @@ void RegionState::open() {
   }
   open_.store(true, std::memory_order_release);
   core->regions[id] = weak_from_this();
+  core->refresh_gauges();
   if (options.timeout.count() > 0) {
     deadline_ = loop::Timer::timer(core->loop->uv(), this);
     uv_update_time(core->loop->uv());
@@ -126,6 +127,7 @@ void RegionState::end(const Error& reason) {
   if (serving != 0 && core->nats) core->nats->unsubscribe(serving, pairing::kEndedAnswer);
   serving = 0;
   core->regions.erase(id);
+  core->refresh_gauges();
   {
     std::lock_guard lock(mu_);
     error_ = reason;

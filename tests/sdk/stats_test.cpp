@@ -343,5 +343,35 @@ TEST(ConnectorStats, CountsSetUpFallbacks) {
   EXPECT_EQ(refused->fallbacks, 1u);
 }
 
+// Regions served and attachments made count while they live, and not after (the loop counts
+// when they are made and when they end).
+TEST(ConnectorStats, CountsRegionsAndAttachmentsWhileTheyLive) {
+  Connector owner(test::named("owner"));
+  Connector peer(test::named("peer"));
+  auto pool = buffer(4 * 4096);
+  RegionOptions o;
+  o.block_size = 4096;
+  {
+    auto region = owner.create_region({Descriptor(pool.data(), pool.size())}, o);
+    auto att = peer.attach(region.metadata());
+    att.wait_attached();
+    auto dst = buffer(4096);
+    auto r = att.read_blocks({1}, {Descriptor(dst.data(), dst.size())});
+    ASSERT_TRUE(r.wait_for_completion(kWait));
+    EXPECT_EQ(owner.stats().regions, 1u);
+    EXPECT_EQ(peer.stats().attachments, 1u);
+    EXPECT_EQ(nlohmann::json::parse(peer.stats().to_json())["attachments"], 1);
+  }
+  // Ended: the next count (an operation's end) sees none.
+  auto src = patterned(64, 1);
+  auto dst = buffer(64);
+  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  ASSERT_TRUE(readable.wait_for_completion(kWait));
+  EXPECT_TRUE(test::eventually([&] { return owner.stats().regions == 0; }, 10s));
+  EXPECT_TRUE(test::eventually([&] { return peer.stats().attachments == 0; }, 10s));
+}
+
 }  // namespace
 }  // namespace ferry

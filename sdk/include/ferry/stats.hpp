@@ -134,8 +134,9 @@ struct ConnectorStats {
   static constexpr std::size_t kMaxPeers = 32;
   static constexpr std::size_t kPeersKept = 1024;
   std::vector<PeerStats> peers;
-  /// What the connector holds now, as its loop last counted it (an operation's end, a stats
-  /// request, a metrics scrape, or stats() on the loop thread): connections open by method
+  /// What the connector holds now, as its loop last counted it (an operation's end, a region
+  /// or attachment made or ended, a stats request, a metrics scrape, or stats() on the loop
+  /// thread): connections open by method
   /// (both ways; every method served, 0 included), regions served and attachments made that
   /// have not ended.
   std::vector<std::pair<std::string, std::uint64_t>> connections;
