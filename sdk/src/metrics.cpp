@@ -18,6 +18,7 @@
 
 #include "sdk/src/core.hpp"
 #include "sdk/src/metrics.hpp"
+#include "sdk/src/stats_names.hpp"
 
 namespace ferry::detail {
 
@@ -32,16 +33,6 @@ using Labels = std::vector<ClientMetric::Label>;
 constexpr std::array<double, 19> kBuckets = {10e-6,  25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3,
                                              2.5e-3, 5e-3,  10e-3, 25e-3,  50e-3,  100e-3, 250e-3,
                                              500e-3, 1.0,   2.5,   10.0,   60.0};
-
-const char* kind_name(OperationKind kind) {
-  return kind == OperationKind::read ? "read" : kind == OperationKind::write ? "write" : "unknown";
-}
-
-const char* outcome_name(OperationStatus status) {
-  return status == OperationStatus::complete    ? "complete"
-         : status == OperationStatus::cancelled ? "cancelled"
-                                                : "errored";
-}
 
 // The families of one scrape, each made once and filled by connector and label set.
 class Families {

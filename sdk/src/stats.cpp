@@ -1,6 +1,7 @@
 // Connector::stats(): the histogram, the recorder the operations report to, and the text and
 // JSON forms.
 #include "sdk/src/stats.hpp"
+#include "sdk/src/stats_names.hpp"
 
 #include <algorithm>
 #include <bit>
@@ -124,16 +125,6 @@ nlohmann::json errors_json(const std::vector<ErrorCount>& errors) {
   return j;
 }
 
-const char* kind_name(OperationKind kind) {
-  return kind == OperationKind::read ? "read" : kind == OperationKind::write ? "write" : "unknown";
-}
-
-const char* outcome_name(OperationStatus status) {
-  return status == OperationStatus::complete    ? "complete"
-         : status == OperationStatus::cancelled ? "cancelled"
-                                                : "errored";
-}
-
 }  // namespace
 
 std::string ConnectorStats::to_text() const {
@@ -182,9 +173,9 @@ std::string ConnectorStats::to_json() const {
   for (const MethodStats& m : methods) {
     nlohmann::json counts = nlohmann::json::array();
     for (const OperationCount& c : m.counts)
-      counts.push_back({{"kind", kind_name(c.kind)},
+      counts.push_back({{"kind", detail::kind_name(c.kind)},
                         {"role", c.passive ? "passive" : "active"},
-                        {"outcome", outcome_name(c.outcome)},
+                        {"outcome", detail::outcome_name(c.outcome)},
                         {"operations", c.operations},
                         {"bytes", c.bytes}});
     j["methods"].push_back({{"method", m.method},
@@ -227,6 +218,16 @@ std::string ConnectorStats::to_json() const {
 }
 
 namespace detail {
+
+const char* kind_name(OperationKind kind) {
+  return kind == OperationKind::read ? "read" : kind == OperationKind::write ? "write" : "unknown";
+}
+
+const char* outcome_name(OperationStatus status) {
+  return status == OperationStatus::complete    ? "complete"
+         : status == OperationStatus::cancelled ? "cancelled"
+                                                : "errored";
+}
 
 namespace {
 
