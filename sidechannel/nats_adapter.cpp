@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 
 #include "loop/uv_handle.hpp"
@@ -29,6 +30,20 @@ struct NatsSocketDriver::Watch {
 namespace {
 
 using Watch = NatsSocketDriver::Watch;
+using Core = NatsSocketDriver::Core;
+
+// Every driver alive in the process, by token. Never destroyed: a cnats thread may still call a
+// driver's callback while the process exits.
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<std::uintptr_t, std::weak_ptr<Core>> cores;
+  std::uintptr_t next = 1;
+};
+
+Registry& registry() {
+  static auto* r = new Registry;
+  return *r;
+}
 
 void on_watch_closed(uv_handle_t* handle) {
   auto* watch = static_cast<Watch*>(handle->data);
@@ -39,6 +54,8 @@ void on_watch_closed(uv_handle_t* handle) {
 }  // namespace
 
 struct NatsSocketDriver::Core {
+  // What cnats holds in place of a pointer to this core (see find()).
+  std::uintptr_t token = 0;
   uv_loop_t* loop = nullptr;
   loop::Log log;
   // Wakes the loop for changes made on other threads. Sent under mu only, and closed under
@@ -72,6 +89,14 @@ struct NatsSocketDriver::Core {
 
   static void on_wake(uv_async_t* handle);
   static void on_poll(uv_poll_t* handle, int status, int events);
+
+  // The core that `token` names, or null once its driver has shut down. cnats may call the
+  // driver after natsConnection_Close has returned: when another thread (the reconnect thread
+  // giving up after max_reconnect, the side channel's worker giving up a first connect) is
+  // inside cnats' own close, Close returns at once, and that thread calls detach only after it
+  // has let go of the connection's lock, by which time the driver may be gone. So cnats gets a
+  // token, never a pointer, and a callback for a token whose driver has shut down does nothing.
+  static std::shared_ptr<Core> find(void* token);
 
   // cnats' callbacks (natsEvLoop_*).
   static natsStatus attach(void** user_data, void* loop, natsConnection* nc, natsSock socket);
@@ -191,9 +216,17 @@ void NatsSocketDriver::Core::on_poll(uv_poll_t* handle, int status, int events) 
   natsConnection_ProcessWriteEvent(nc);
 }
 
+std::shared_ptr<NatsSocketDriver::Core> NatsSocketDriver::Core::find(void* token) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mu);
+  auto it = r.cores.find(reinterpret_cast<std::uintptr_t>(token));
+  return it != r.cores.end() ? it->second.lock() : nullptr;
+}
+
 natsStatus NatsSocketDriver::Core::attach(void** user_data, void* loop, natsConnection* nc,
                                           natsSock socket) {
-  auto* self = static_cast<Core*>(loop);
+  std::shared_ptr<Core> self = find(loop);
+  if (!self) return NATS_ILLEGAL_STATE;  // the driver has shut down
   // cnats holds the connection's lock and `socket` is open: duplicate it now. The duplicate
   // is ferry's, whatever cnats later does with its own number.
   int dup = ::fcntl(socket, F_DUPFD_CLOEXEC, 0);
@@ -216,12 +249,13 @@ natsStatus NatsSocketDriver::Core::attach(void** user_data, void* loop, natsConn
   self->want_read = true;
   // want_write is left as it was: cnats clears it itself before a reconnect, and keeps
   // believing in a write it asked for across a failed one.
-  *user_data = self;
+  *user_data = loop;  // the token again
   return self->changed();
 }
 
 natsStatus NatsSocketDriver::Core::read(void* user_data, bool add) {
-  auto* self = static_cast<Core*>(user_data);
+  std::shared_ptr<Core> self = find(user_data);
+  if (!self) return NATS_OK;  // the driver has shut down
   std::lock_guard lock(self->mu);
   if (self->shut) return NATS_OK;
   self->want_read = add;
@@ -229,7 +263,8 @@ natsStatus NatsSocketDriver::Core::read(void* user_data, bool add) {
 }
 
 natsStatus NatsSocketDriver::Core::write(void* user_data, bool add) {
-  auto* self = static_cast<Core*>(user_data);
+  std::shared_ptr<Core> self = find(user_data);
+  if (!self) return NATS_OK;  // the driver has shut down
   std::lock_guard lock(self->mu);
   if (self->shut) return NATS_OK;
   self->want_write = add;
@@ -237,7 +272,8 @@ natsStatus NatsSocketDriver::Core::write(void* user_data, bool add) {
 }
 
 natsStatus NatsSocketDriver::Core::detach(void* user_data) {
-  auto* self = static_cast<Core*>(user_data);
+  std::shared_ptr<Core> self = find(user_data);
+  if (!self) return NATS_OK;  // the driver has shut down
   std::lock_guard lock(self->mu);
   if (self->shut) return NATS_OK;
   self->detached = true;
@@ -246,7 +282,13 @@ natsStatus NatsSocketDriver::Core::detach(void* user_data) {
 }
 
 NatsSocketDriver::NatsSocketDriver(uv_loop_t* loop, loop::Log log)
-    : core_(std::make_unique<Core>()) {
+    : core_(std::make_shared<Core>()) {
+  {
+    Registry& r = registry();
+    std::lock_guard lock(r.mu);
+    core_->token = r.next++;
+    r.cores.emplace(core_->token, core_);
+  }
   core_->loop = loop;
   core_->log = std::move(log);
   core_->loop_thread.store(std::this_thread::get_id());
@@ -261,13 +303,24 @@ NatsSocketDriver::NatsSocketDriver(uv_loop_t* loop, loop::Log log)
 
 NatsSocketDriver::~NatsSocketDriver() { shutdown(); }
 
+NatsSocketDriver::Callbacks NatsSocketDriver::callbacks() const {
+  // The loop argument cnats hands back to attach is the core's token.
+  return {reinterpret_cast<void*>(core_->token), &Core::attach, &Core::read, &Core::write,
+          &Core::detach};
+}
+
 natsStatus NatsSocketDriver::install(natsOptions* opts) {
-  // The loop argument cnats hands back to attach is the core itself.
-  return natsOptions_SetEventLoop(opts, core_.get(), &Core::attach, &Core::read, &Core::write,
-                                  &Core::detach);
+  const Callbacks c = callbacks();
+  return natsOptions_SetEventLoop(opts, c.loop, c.attach, c.read, c.write, c.detach);
 }
 
 void NatsSocketDriver::shutdown() {
+  {
+    // From now on cnats' callbacks find nothing (one already running holds the core).
+    Registry& r = registry();
+    std::lock_guard lock(r.mu);
+    r.cores.erase(core_->token);
+  }
   std::lock_guard lock(core_->mu);
   if (core_->shut) return;
   core_->detached = true;

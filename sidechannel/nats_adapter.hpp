@@ -48,19 +48,34 @@ class NatsSocketDriver {
   NatsSocketDriver(const NatsSocketDriver&) = delete;
   NatsSocketDriver& operator=(const NatsSocketDriver&) = delete;
 
-  /// Makes connections created with `opts` use this driver. The driver must outlive them
-  /// until shutdown().
+  /// What install() hands to natsOptions_SetEventLoop. `loop` is a token naming this driver,
+  /// not a pointer to it: a callback that comes after shutdown() (below) finds no driver and
+  /// does nothing (attach fails with NATS_ILLEGAL_STATE, the others return NATS_OK).
+  struct Callbacks {
+    void* loop;
+    natsEvLoop_Attach attach;
+    natsEvLoop_ReadAddRemove read;
+    natsEvLoop_WriteAddRemove write;
+    natsEvLoop_Detach detach;
+  };
+  Callbacks callbacks() const;
+
+  /// Makes connections created with `opts` use this driver until shutdown().
   natsStatus install(natsOptions* opts);
 
-  /// Loop thread, once cnats calls the driver no more (after natsConnection_Close has
-  /// returned): stops polling, closes ferry's duplicates and the wake-up handle. Idempotent.
+  /// Loop thread, after natsConnection_Close has returned: stops polling, closes ferry's
+  /// duplicates and the wake-up handle. Idempotent. cnats may still call the driver after
+  /// that (Close returns at once while another thread is inside cnats' own close, and that
+  /// thread calls detach after letting go of the connection's lock): such calls find no
+  /// driver and do nothing, whether or not the driver still exists.
   void shutdown();
 
   struct Core;   // defined in the .cpp
   struct Watch;  // defined in the .cpp
 
  private:
-  std::unique_ptr<Core> core_;
+  // Shared with the callbacks that are running (they hold it while they run).
+  std::shared_ptr<Core> core_;
 };
 
 }  // namespace ferry::sidechannel

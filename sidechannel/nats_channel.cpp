@@ -154,8 +154,9 @@ NatsChannel::~NatsChannel() {
   state_.reset();
   outbox_->stop();
   // On the loop thread: the driver applies cnats' stop-polling and detach at once here.
-  // Once Close has returned (it joins cnats' reconnect thread), cnats calls the driver no
-  // more, and the driver closes what it still holds.
+  // Once Close has returned (it joins cnats' reconnect thread), the driver closes what it
+  // still holds. A thread of cnats' that was closing the connection itself (it gave up
+  // reconnecting) may still call the driver after this: the driver then ignores it.
   if (wire_->nc != nullptr) natsConnection_Close(wire_->nc);
   driver_->shutdown();
   for (auto& [id, sub] : wire_->subs) natsSubscription_Destroy(sub);

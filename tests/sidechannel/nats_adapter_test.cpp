@@ -18,11 +18,13 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <string>
 #include <thread>
 
 #include <ferry/ferry.hpp>
 
+#include "sidechannel/nats_adapter.hpp"
 #include "tests/support/nats_server.hpp"
 
 namespace ferry {
@@ -139,6 +141,53 @@ TEST(NatsAdapter, AResetBehindUnreadDataIsSeenAndTheConnectionDropped) {
   }
   uv_run(&loop, UV_RUN_DEFAULT);  // until the side channel has closed
   EXPECT_EQ(uv_loop_close(&loop), 0);
+}
+
+// cnats may call the driver after natsConnection_Close has returned: Close returns at once while
+// another thread (the reconnect thread that gave up after max_reconnect, or the side channel's
+// worker that gave up a first connect) is inside cnats' own close, and that thread calls detach
+// only after it has let go of the connection's lock, when the channel may have shut the driver
+// down and destroyed it. Such calls must do nothing. (Before, the callbacks were handed a
+// pointer to the driver's state, and this test read freed memory: AddressSanitizer reports it,
+// and a plain build could abort without a message in libuv when the freed memory was reused.)
+TEST(NatsAdapter, CallbacksAfterTheDriverIsGoneDoNothing) {
+  uv_loop_t loop;
+  ASSERT_EQ(uv_loop_init(&loop), 0);
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  auto driver = std::make_unique<sidechannel::NatsSocketDriver>(&loop, loop::Log{});
+  const sidechannel::NatsSocketDriver::Callbacks cb = driver->callbacks();
+  void* user = nullptr;
+  // As cnats does after connecting: the driver polls the socket for reading (the connection
+  // itself is touched only when the socket is readable, which it never is here, so none is
+  // needed).
+  ASSERT_EQ(cb.attach(&user, cb.loop, nullptr, pair[0]), NATS_OK);
+  uv_run(&loop, UV_RUN_NOWAIT);
+  driver->shutdown();
+  driver.reset();
+  uv_run(&loop, UV_RUN_DEFAULT);  // closes the poll handle and ferry's duplicate
+  EXPECT_EQ(uv_loop_close(&loop), 0) << "the driver left a handle open";
+
+  // cnats' late calls: each finds no driver and does nothing.
+  EXPECT_EQ(cb.read(user, false), NATS_OK);
+  EXPECT_EQ(cb.write(user, false), NATS_OK);
+  EXPECT_EQ(cb.detach(user), NATS_OK);
+  void* again = nullptr;
+  EXPECT_EQ(cb.attach(&again, cb.loop, nullptr, pair[0]), NATS_ILLEGAL_STATE);
+  EXPECT_EQ(again, nullptr);
+
+  // And a driver made afterwards is not reached through the old one's token.
+  uv_loop_t other;
+  ASSERT_EQ(uv_loop_init(&other), 0);
+  {
+    sidechannel::NatsSocketDriver fresh(&other, loop::Log{});
+    EXPECT_NE(fresh.callbacks().loop, cb.loop);
+    EXPECT_EQ(cb.attach(&again, cb.loop, nullptr, pair[0]), NATS_ILLEGAL_STATE);
+  }
+  uv_run(&other, UV_RUN_DEFAULT);
+  EXPECT_EQ(uv_loop_close(&other), 0);
+  ::close(pair[0]);
+  ::close(pair[1]);
 }
 
 }  // namespace
