@@ -386,6 +386,18 @@ void Lab::shape(int host, Net net, const std::vector<std::string>& qdisc) {
   }
 }
 
+void Lab::wire_command(int host, Net net, const std::string& line) {
+  for (char n : {'n', 'd'})
+    if ((n == 'n' && net != Net::data) || (n == 'd' && net != Net::nats))
+      wire(host, n).command(line);
+}
+
+std::string Lab::wire_missing() {
+  if (::access("/dev/net/tun", R_OK | W_OK) != 0)
+    return "no /dev/net/tun here, which ferry_net_wire needs for its TAP devices";
+  return {};
+}
+
 std::string Lab::netem_missing() const {
   if (!netem_in_userspace()) return {};
   if (::access("/dev/net/tun", R_OK | W_OK) != 0)

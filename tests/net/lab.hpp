@@ -87,6 +87,14 @@ class Lab {
   /// by ferry_net_wire instead (wire.hpp): the link's veth pair is replaced, the first time,
   /// by a userspace wire of two TAPs with the same names and addresses.
   void shape(int host, Net net, const std::vector<std::string>& qdisc);
+  /// Sends `line` (wire.hpp's commands: "block 10.231.2.10", "rate 80mbit", "reset") to the
+  /// userspace wire of `host`'s link(s), replacing the veth pair by one first if it has none
+  /// (needs /dev/net/tun; see wire_missing()). With "block", a partition between two hosts
+  /// only: the host's packets from or to the other's addresses are dropped, the third host
+  /// still reaches both.
+  void wire_command(int host, Net net, const std::string& line);
+  /// Why the userspace wire cannot be used here (no /dev/net/tun), or empty.
+  static std::string wire_missing();
   /// Why netem shaping cannot be used here (no sch_netem, and no /dev/net/tun for the
   /// userspace wire), or empty.
   std::string netem_missing() const;

@@ -407,6 +407,51 @@ TEST_P(Fault, PartitionMidTransferThenHeal) {
   expect_baseline(b, base_b);
 }
 
+// A partition between two hosts only: host 1's links drop the IPv4 packets from and to host
+// 0's addresses (as a firewall's drop rule between the two would; played by the userspace wire,
+// since this kernel has no drop action), while host 2 still reaches both. Under a 32 MiB
+// transfer between hosts 0 and 1, both sides end PeerLost naming each other; meanwhile host 2
+// pairs with both, both ways, by subject (its server routes to both, though the route between
+// the other two is cut); healed, hosts 0 and 1 pair again and transfer, back at their baseline.
+TEST_P(Fault, PartitionBetweenTwoHostsOnly) {
+  if (std::string why = Lab::wire_missing(); !why.empty()) GTEST_SKIP() << why;
+  lab_->wire_command(1, Net::both, "reset");  // host 1's links become wires first
+  lab_->await_cluster();
+  Worker a(*lab_, 0, "alpha");
+  Worker b(*lab_, 1, "bravo");
+  Worker c(*lab_, 2, "charlie");
+  const Usage base = warm_baseline(a, {&b, &c});
+  const Usage base_b = usage(b);
+  lab_->wire_command(1, Net::data, "rate 80mbit");  // so that the transfer is still running
+  Pairing p = start(b, a, GetParam(), 32 * MiB);
+  ASSERT_TRUE(await_claimed(p)) << "the owner never saw the claim";
+  lab_->wire_command(1, Net::both, "block " + lab_->nats_ip(0) + " block " + lab_->data_ip(0));
+  const long long t0 = now_ms();
+  expect_ends(a, p.slot, t0, kPeerTimeoutMs + kSlackMs, "PeerLost", "bravo");
+  expect_ends(b, p.slot, t0, kPeerTimeoutMs + kSlackMs, "PeerLost", "alpha");
+  a.cmd("drop " + p.slot);
+  b.cmd("drop " + p.slot);
+  lab_->wire_command(1, Net::data, "rate 0bit");
+  for (Way way : {Way::read, Way::write}) {
+    expect_complete(start(c, a, way, 4 * MiB));
+    expect_complete(start(c, b, way, 4 * MiB));
+  }
+  lab_->wire_command(1, Net::both, "unblock " + lab_->nats_ip(0) + " unblock " + lab_->data_ip(0));
+  // Healed: the route between the servers of hosts 0 and 1 resumes at TCP's next
+  // retransmission (whose backoff grew while its packets were dropped); the two pair again.
+  bool paired = false;
+  for (const auto until = Clock::now() + 30s; !paired && Clock::now() < until;) {
+    Pairing q = start(b, a, Way::read, MiB);
+    paired = wait(a, q.slot, 5000).value("status", "") == "complete";
+    a.cmd("drop " + q.slot);
+    b.cmd("drop " + q.slot);
+  }
+  ASSERT_TRUE(paired) << "hosts 0 and 1 did not pair again within 30 s of the heal";
+  for (Way way : {Way::read, Way::write}) expect_complete(start(b, a, way, 8 * MiB));
+  expect_baseline(a, base);
+  expect_baseline(b, base_b);
+}
+
 // Host 1 is cut off under a 32 MiB transfer and both sides cancel at once (the handles
 // destroyed): cancel() returns within peer_timeout on both (a few ms here), without waiting for
 // the unreachable peer; healed, the hosts transfer, back at their baseline.

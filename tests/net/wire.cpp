@@ -210,24 +210,24 @@ int make_tap(const End& end, int mtu, bool offload) {
 
 /// Single-writer counters that another thread may read.
 struct Counters {
-  std::atomic<std::uint64_t> frames_in{0}, frames_out{0}, bytes_out{0}, lost{0}, cut{0},
+  std::atomic<std::uint64_t> frames_in{0}, frames_out{0}, bytes_out{0}, lost{0}, cut{0}, blocked{0},
       overflow{0}, oversize{0}, reordered{0}, write_errors{0};
   static void bump(std::atomic<std::uint64_t>& c, std::uint64_t by = 1) {
     c.store(c.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
   }
   DirStats snapshot() const {
     auto r = [](const std::atomic<std::uint64_t>& c) { return c.load(std::memory_order_relaxed); };
-    return DirStats{r(frames_in), r(frames_out), r(bytes_out), r(lost),        r(cut),
-                    r(overflow),  r(oversize),   r(reordered), r(write_errors)};
+    return DirStats{r(frames_in), r(frames_out), r(bytes_out), r(lost),      r(cut),
+                    r(blocked),   r(overflow),   r(oversize),  r(reordered), r(write_errors)};
   }
 };
 
 std::string stats_text(const DirStats& s) {
   std::ostringstream o;
   o << "{\"in\":" << s.frames_in << ",\"out\":" << s.frames_out << ",\"bytes_out\":" << s.bytes_out
-    << ",\"lost\":" << s.lost << ",\"cut\":" << s.cut << ",\"overflow\":" << s.overflow
-    << ",\"oversize\":" << s.oversize << ",\"reordered\":" << s.reordered
-    << ",\"write_errors\":" << s.write_errors << "}";
+    << ",\"lost\":" << s.lost << ",\"cut\":" << s.cut << ",\"blocked\":" << s.blocked
+    << ",\"overflow\":" << s.overflow << ",\"oversize\":" << s.oversize
+    << ",\"reordered\":" << s.reordered << ",\"write_errors\":" << s.write_errors << "}";
   return o.str();
 }
 
@@ -285,9 +285,10 @@ bool is_percent(const std::string& w) { return !w.empty() && w.back() == '%'; }
 /// tc's netem syntax ("netem delay 10ms 2ms 25% distribution normal loss random 1% 25%
 /// reorder 25% 50% rate 100mbit limit 1000"): the whole shape is replaced (a cut stays);
 /// correlations are accepted and ignored (every draw here is independent).
-Shape netem(const std::vector<std::string>& w, bool cut) {
+Shape netem(const std::vector<std::string>& w, const Shape& now) {
   Shape s;
-  s.cut = cut;
+  s.cut = now.cut;
+  s.blocked = now.blocked;
   auto value = [&](std::size_t& i) -> const std::string& {
     if (i + 1 >= w.size()) throw std::invalid_argument("netem: '" + w[i] + "' needs a value");
     return w[++i];
@@ -331,7 +332,7 @@ Shape netem(const std::vector<std::string>& w, bool cut) {
 void apply_command(Shape& shape, const std::string& line) {
   const std::vector<std::string> w = words(line);
   if (!w.empty() && w[0] == "netem") {
-    shape = netem(w, shape.cut);
+    shape = netem(w, shape);
     return;
   }
   Shape s = shape;
@@ -351,7 +352,15 @@ void apply_command(Shape& shape, const std::string& line) {
     }
     if (i + 1 >= w.size()) throw std::invalid_argument("'" + key + "' needs a value");
     const std::string& v = w[++i];
-    if (key == "delay")
+    if (key == "block" || key == "unblock") {
+      in_addr a{};
+      if (::inet_pton(AF_INET, v.c_str(), &a) != 1)
+        throw std::invalid_argument(key + " needs an IPv4 address, not '" + v + "'");
+      const std::uint32_t ip = ntohl(a.s_addr);
+      auto it = std::find(s.blocked.begin(), s.blocked.end(), ip);
+      if (key == "block" && it == s.blocked.end()) s.blocked.push_back(ip);
+      if (key == "unblock" && it != s.blocked.end()) s.blocked.erase(it);
+    } else if (key == "delay")
       s.delay_ns = parse_duration(v);
     else if (key == "jitter")
       s.jitter_ns = parse_duration(v);
@@ -386,6 +395,13 @@ std::string describe(const Shape& s) {
     << (s.dist == Jitter::normal ? "normal" : "uniform") << " loss " << s.loss << " reorder "
     << s.reorder << " rate " << s.rate_bps << "bit limit " << s.limit
     << (s.cut ? " cut" : " healed");
+  for (std::uint32_t ip : s.blocked) {
+    in_addr a{};
+    a.s_addr = htonl(ip);
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &a, text, sizeof text);
+    o << " blocked " << text;
+  }
   return o.str();
 }
 
@@ -471,6 +487,32 @@ struct Wire::Engine {
     return g;
   }
 
+  // An IPv4 packet (after the virtio-net header, if any, and one VLAN tag at most) from or to
+  // one of the shape's blocked addresses.
+  bool blocked(const Shape& shape, const char* frame, std::size_t len) const {
+    const std::size_t skip = offload ? kVnetHdr : 0;
+    if (len < skip + 14) return false;
+    const auto* p = reinterpret_cast<const unsigned char*>(frame + skip);
+    const std::size_t l2 = len - skip;
+    std::size_t off = 12;
+    unsigned type = (static_cast<unsigned>(p[off]) << 8) | p[off + 1];
+    off += 2;
+    if (type == 0x8100 && l2 >= off + 4) {
+      type = (static_cast<unsigned>(p[off + 2]) << 8) | p[off + 3];
+      off += 4;
+    }
+    if (type != 0x0800 || l2 < off + 20) return false;
+    auto address = [&](std::size_t at) {
+      return (static_cast<std::uint32_t>(p[at]) << 24) |
+             (static_cast<std::uint32_t>(p[at + 1]) << 16) |
+             (static_cast<std::uint32_t>(p[at + 2]) << 8) | static_cast<std::uint32_t>(p[at + 3]);
+    };
+    const std::uint32_t src = address(off + 12), dst = address(off + 16);
+    for (std::uint32_t ip : shape.blocked)
+      if (ip == src || ip == dst) return true;
+    return false;
+  }
+
   bool oversize(const Segments& g) const {
     if (g.seg_l3 == 0) return g.l2 > max_l2;
     return g.seg_l3 > static_cast<std::size_t>(mtu);
@@ -502,6 +544,10 @@ struct Wire::Engine {
     }
     if (shape.cut) {
       Counters::bump(d.counters.cut);
+      return;
+    }
+    if (!shape.blocked.empty() && blocked(shape, buf.data(), len)) {
+      Counters::bump(d.counters.blocked);
       return;
     }
     if (shape.loss > 0 && unit(rng) < shape.loss) {
@@ -744,6 +790,7 @@ const char* kUsage =
     "  delay T  jitter T  dist uniform|normal  loss P  reorder P  rate R  limit N   (any of them)\n"
     "  netem ARGS  (tc's syntax: \"netem delay 10ms 2ms loss 1%\"; replaces the whole shape)\n"
     "  a>b ...  b>a ...  (prefix: one direction only; else both)\n"
+    "  block IP  unblock IP  (IPv4 packets from or to IP dropped, or no longer)\n"
     "  cut  heal  reset  show  stats  quit\n"
     "T: 10ms, 500us; P: 0.01 or 1%; R: 100mbit, 1gbit, 10mbps. Ends at end of stdin, quit,\n"
     "SIGTERM, SIGINT or after --lifetime; its TAPs vanish with it.\n";

@@ -3,7 +3,9 @@
 // ferry_net_wire: a userspace netem. It joins two network namespaces with an Ethernet link made
 // of two TAP devices (one in each namespace; this process holds both fds) and forwards frames
 // between them with a one-way delay, jitter, random loss, netem-like reordering, an optional
-// rate limit and an MTU, all changeable while it runs; `cut` drops everything until `heal`.
+// rate limit and an MTU, all changeable while it runs; `cut` drops everything until `heal`, and
+// `block IP` drops the IPv4 packets from or to one address until `unblock IP` (a firewall's drop
+// rule between two hosts, the others still reached through the same link).
 // For kernels without sch_netem (tc netem), where the network lab's shaped cases cannot run.
 //
 // Each direction has its own bounded queue of frames waiting for their time (a timer heap);
@@ -16,6 +18,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace ferry::netwire {
 
@@ -44,14 +47,18 @@ struct Shape {
   std::int64_t rate_bps = 0;  ///< bits per second; 0: unlimited
   std::size_t limit = 1000;   ///< frames waiting per direction; more are dropped (counted)
   bool cut = false;           ///< every frame dropped
+  /// IPv4 packets from or to these addresses dropped (host byte order; ARP and the rest pass,
+  /// as through an IP firewall's drop rule).
+  std::vector<std::uint32_t> blocked;
 };
 
 /// Applies a control line ("delay 10ms jitter 2ms dist normal loss 1% reorder 0.05 rate
-/// 100mbit limit 1000", "cut", "heal", "reset") to `shape`: named parameters change, the others
-/// stay; "reset" restores an unshaped link (and heals it). A line in tc's netem syntax ("netem
+/// 100mbit limit 1000", "cut", "heal", "block 10.0.0.2", "unblock 10.0.0.2", "reset") to
+/// `shape`: named parameters change, the others stay; "reset" restores an unshaped link (and
+/// heals it, and unblocks every address). A line in tc's netem syntax ("netem
 /// delay 10ms 2ms loss 1% reorder 25% 50%", what `tc qdisc ... root` would be given) replaces
-/// the whole shape, its correlations ignored. Throws std::invalid_argument; `shape` is then
-/// unchanged.
+/// the whole shape, its correlations ignored (a cut and the blocked addresses stay). Throws
+/// std::invalid_argument; `shape` is then unchanged.
 void apply_command(Shape& shape, const std::string& line);
 std::string describe(const Shape& shape);
 
@@ -64,6 +71,7 @@ struct DirStats {
   std::uint64_t bytes_out = 0;
   std::uint64_t lost = 0;          ///< dropped by the loss probability
   std::uint64_t cut = 0;           ///< dropped while cut
+  std::uint64_t blocked = 0;       ///< dropped: from or to a blocked address
   std::uint64_t overflow = 0;      ///< dropped: the queue was full
   std::uint64_t oversize = 0;      ///< dropped: larger than the MTU
   std::uint64_t reordered = 0;     ///< sent at once by the reorder probability

@@ -441,6 +441,23 @@ TEST(WireParse, EndsAndCommands) {
   EXPECT_DOUBLE_EQ(s.reorder, 0.25);
   for (const char* bad : {"netem delay", "netem corrupt 1%", "netem duplicate 1%", "netem slot 1"})
     EXPECT_THROW(apply_command(s, bad), std::invalid_argument) << bad;
+
+  // Blocked addresses: added once each, removed by unblock or reset, kept by netem's syntax.
+  Shape b;
+  apply_command(b, "block 10.0.0.2 block 10.0.0.3 block 10.0.0.2");
+  EXPECT_EQ(b.blocked, (std::vector<std::uint32_t>{0x0a000002, 0x0a000003}));
+  apply_command(b, "netem delay 1ms");
+  EXPECT_EQ(b.blocked.size(), 2u);
+  apply_command(b, "unblock 10.0.0.2 unblock 10.0.0.9");
+  EXPECT_EQ(b.blocked, (std::vector<std::uint32_t>{0x0a000003}));
+  EXPECT_NE(describe(b).find("blocked 10.0.0.3"), std::string::npos) << describe(b);
+  for (const char* bad : {"block", "block 10.0.0", "block ::1", "unblock host"}) {
+    Shape t = b;
+    EXPECT_THROW(apply_command(t, bad), std::invalid_argument) << bad;
+    EXPECT_EQ(t.blocked, b.blocked) << bad << " changed the shape";
+  }
+  apply_command(b, "reset");
+  EXPECT_TRUE(b.blocked.empty());
 }
 
 TEST_F(WireTest, AnswersCommandsAndRefusesBadOnes) {
@@ -627,6 +644,21 @@ TEST_F(WireTest, CutDropsEverythingUntilHealed) {
   bool answered = false;
   for (int i = 0; i < 10 && !answered; ++i) answered = ping(500ms) >= 0;
   EXPECT_TRUE(answered) << "no echo after heal";
+}
+
+// A blocked address: its IPv4 packets are dropped both ways; another address blocked leaves the
+// link to b alone; unblocked, b answers again.
+TEST_F(WireTest, BlockDropsOneAddressOnly) {
+  start();
+  shape(std::string("block ") + kIpB);
+  for (int i = 0; i < 5; ++i) EXPECT_LT(ping(200ms), 0) << "a ping reached a blocked address";
+  EXPECT_GE(stat(wire_->cmd("stats"), "a_to_b", "blocked"), 5u);
+  shape(std::string("unblock ") + kIpB + " block 10.231.99.99");
+  const std::uint64_t dropped = stat(wire_->cmd("stats"), "a_to_b", "blocked");
+  bool answered = false;
+  for (int i = 0; i < 10 && !answered; ++i) answered = ping(500ms) >= 0;
+  EXPECT_TRUE(answered) << "blocking another address cut b off";
+  EXPECT_EQ(stat(wire_->cmd("stats"), "a_to_b", "blocked"), dropped);
 }
 
 /// Bytes a TCP stream a -> b moves in `seconds` through the wire; MB/s.
