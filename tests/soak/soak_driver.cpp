@@ -829,7 +829,9 @@ class Lane {
     ro.access = RegionAccess::read_write;
     ro.block_size = s_.cfg.block_size;
     ro.subject = own_subject_;
-    ro.queue_events = false;
+    // The owner learns of each write into its memory from the region's events (own_region()
+    // checks a worker's write only once its event came).
+    ro.queue_events = true;
     own_region_ = s_.connector.create_region({Descriptor(own_memory_.get(), size)}, ro);
   }
 
@@ -851,6 +853,11 @@ class Lane {
       if (writes) own_shadow_[id] = 0;
     }
     const long long bound = bound_ms(p.worker_timeout_ms);
+    // What orders this lane's reads of the region's memory (its checks) before the writes the
+    // worker is about to make is this process's pipe to the worker, which no tool here sees
+    // into: a round trip to the loop thread (which writes what arrives) says it in-process, so
+    // that ThreadSanitizer, which watches these checks, sees it too.
+    (void)own_region_.peers();
     const auto began = Clock::now();
     worker_->send_line(std::string("blocks ") + (writes ? "write " : "read ") + own_subject_ + " " +
                        std::to_string(p.worker_timeout_ms) + " " +
@@ -867,7 +874,12 @@ class Lane {
     }
     Ending w = worker_end(p, bound);
     w.verified = 0;
-    if (w.status == "complete" && writes) {
+    // A complete write: the region tells its owner once the bytes are in its memory (the
+    // worker heard of it from this process, but through its pipe, which orders nothing here).
+    if (w.status == "complete" && writes && !owner_told_of_write(ids, bound)) {
+      s_.tally.failure("the region's owner was not told of a complete write into it: " +
+                       context(p));
+    } else if (w.status == "complete" && writes) {
       long long bad = -1;
       for (std::size_t j = 0; j < ids.size() && bad < 0; ++j) {
         long long m =
@@ -884,6 +896,25 @@ class Lane {
     }
     f.nats = s_.outages.overlaps(began, Clock::now(), 5s);
     s_.tally.ended("worker", name(p.kind), w, f, context(p));
+  }
+
+  /// Waits up to `bound_ms` for this lane's region to report a complete write of exactly
+  /// `ids`; the events before it (reads, writes that ended otherwise, earlier workers') go.
+  bool owner_told_of_write(std::vector<std::uint64_t> ids, long long bound_ms) {
+    std::sort(ids.begin(), ids.end());
+    const auto until = Clock::now() + milliseconds(bound_ms);
+    for (;;) {
+      const auto left = until - Clock::now();
+      if (left <= Clock::duration::zero()) return false;
+      std::optional<RegionEvent> e = own_region_.next_event(left);
+      if (!e) return false;
+      if (e->type != RegionEvent::Type::transfer || e->kind != OperationKind::write ||
+          e->status != OperationStatus::complete)
+        continue;
+      std::vector<std::uint64_t> got = e->blocks;
+      std::sort(got.begin(), got.end());
+      if (got == ids) return true;
+    }
   }
 
   /// A transfer on the worker's region, attached by subject (once per worker and whenever
