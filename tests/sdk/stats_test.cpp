@@ -90,20 +90,24 @@ const MethodStats* find(const ConnectorStats& s, const std::string& method) {
   return nullptr;
 }
 
+// `peer` reads `size` patterned bytes from a readable of `owner`; both sides must complete.
+// Sets `method` to the method it moved by. Call through ASSERT_NO_FATAL_FAILURE.
+void read_once(Connector& owner, Connector& peer, std::size_t size, std::string* method = nullptr) {
+  auto src = patterned(size, 1);
+  auto dst = buffer(size);
+  auto readable = owner.create_readable({Descriptor(src.data(), size)});
+  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), size)});
+  ASSERT_TRUE(read.wait_for_completion(kWait));
+  ASSERT_TRUE(readable.wait_for_completion(kWait));
+  if (method != nullptr) *method = read.method();
+}
+
 TEST(ConnectorStats, CountsCompletedOperationsByMethodOnBothSides) {
   Connector owner(test::named("owner"));
   Connector peer(test::named("peer"));
   constexpr std::size_t kSize = 4096 + 17;
   std::string method;  // the best this host offers: cma or tcp
-  for (int i = 0; i < 5; ++i) {
-    auto src = patterned(kSize, 1);
-    auto dst = buffer(kSize);
-    auto readable = owner.create_readable({Descriptor(src.data(), kSize)});
-    auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), kSize)});
-    ASSERT_TRUE(read.wait_for_completion(kWait));
-    ASSERT_TRUE(readable.wait_for_completion(kWait));
-    method = read.method();
-  }
+  for (int i = 0; i < 5; ++i) ASSERT_NO_FATAL_FAILURE(read_once(owner, peer, kSize, &method));
   const ConnectorStats p = peer.stats();
   const MethodStats* m = find(p, method);
   ASSERT_NE(m, nullptr) << p.to_text();
@@ -228,12 +232,8 @@ TEST(LatencyHistogram, CountAtMostIsCumulativeAndAgreesWithTheSamples) {
 TEST(ConnectorStats, SplitsByKindRoleAndDirectionAndNamesThePeer) {
   Connector owner(test::named("owner"));
   Connector peer(test::named("peer"));
-  auto src = patterned(3000, 1);
-  auto dst = buffer(3000);
-  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
-  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
-  ASSERT_TRUE(read.wait_for_completion(kWait));
-  ASSERT_TRUE(readable.wait_for_completion(kWait));
+  std::string method;
+  ASSERT_NO_FATAL_FAILURE(read_once(owner, peer, 3000, &method));
   auto into = buffer(700);
   auto from = patterned(700, 2);
   auto writable = owner.create_writable({Descriptor(into.data(), into.size())});
@@ -248,7 +248,7 @@ TEST(ConnectorStats, SplitsByKindRoleAndDirectionAndNamesThePeer) {
   const ConnectorStats o = owner.stats();
   EXPECT_EQ(o.bytes_in, 700u) << o.to_text();
   EXPECT_EQ(o.bytes_out, 3000u);
-  const MethodStats* m = find(p, read.method());
+  const MethodStats* m = find(p, method);
   ASSERT_NE(m, nullptr);
   ASSERT_EQ(m->counts.size(), 2u);
   for (const OperationCount& c : m->counts) {
@@ -257,7 +257,7 @@ TEST(ConnectorStats, SplitsByKindRoleAndDirectionAndNamesThePeer) {
     EXPECT_EQ(c.operations, 1u);
     EXPECT_EQ(c.bytes, c.kind == OperationKind::read ? 3000u : 700u);
   }
-  const MethodStats* om = find(o, read.method());
+  const MethodStats* om = find(o, method);
   ASSERT_NE(om, nullptr);
   for (const OperationCount& c : om->counts) EXPECT_TRUE(c.passive);
   // Each knows the other as its peer, with the bytes each way.
@@ -272,17 +272,17 @@ TEST(ConnectorStats, SplitsByKindRoleAndDirectionAndNamesThePeer) {
   EXPECT_EQ(o.peers[0].bytes_in, 700u);
   // The connection each holds, counted for its method; 0 for the methods unused.
   std::uint64_t held = 0;
-  for (const auto& [method, n] : p.connections) {
-    if (method == read.method())
+  for (const auto& [name, n] : p.connections) {
+    if (name == method)
       held = n;
     else
-      EXPECT_EQ(n, 0u) << method;
+      EXPECT_EQ(n, 0u) << name;
   }
   EXPECT_GE(held, 1u) << p.to_text();
   const auto j = nlohmann::json::parse(p.to_json());
   EXPECT_EQ(j["bytes_in"], 3000);
   EXPECT_EQ(j["peers"][0]["id"], owner.identity().id);
-  EXPECT_EQ(j["connections"][read.method()], held);
+  EXPECT_EQ(j["connections"][method], held);
 }
 
 TEST(ConnectorStats, CountsErrorsByCode) {
@@ -363,12 +363,7 @@ TEST(ConnectorStats, CountsRegionsAndAttachmentsWhileTheyLive) {
     EXPECT_EQ(nlohmann::json::parse(peer.stats().to_json())["attachments"], 1);
   }
   // Ended: the next count (an operation's end) sees none.
-  auto src = patterned(64, 1);
-  auto dst = buffer(64);
-  auto readable = owner.create_readable({Descriptor(src.data(), src.size())});
-  auto read = peer.begin_read(readable.metadata(), {Descriptor(dst.data(), dst.size())});
-  ASSERT_TRUE(read.wait_for_completion(kWait));
-  ASSERT_TRUE(readable.wait_for_completion(kWait));
+  ASSERT_NO_FATAL_FAILURE(read_once(owner, peer, 64));
   EXPECT_TRUE(test::eventually([&] { return owner.stats().regions == 0; }, 10s));
   EXPECT_TRUE(test::eventually([&] { return peer.stats().attachments == 0; }, 10s));
 }
