@@ -454,6 +454,18 @@ struct Wire::Engine {
     std::size_t seg_l3;   // IP packet of each full frame (0: not a TSO segment, or unparsable)
     std::size_t headers;  // Ethernet, IP and TCP headers, repeated in every frame
   };
+  // The EtherType of an Ethernet frame of `l2` bytes (at least 14), after one VLAN tag at
+  // most; `off` is set to where its payload starts.
+  static unsigned ether_type(const unsigned char* p, std::size_t l2, std::size_t& off) {
+    off = 14;
+    unsigned type = (static_cast<unsigned>(p[12]) << 8) | p[13];
+    if (type == 0x8100 && l2 >= 18) {
+      type = (static_cast<unsigned>(p[16]) << 8) | p[17];
+      off = 18;
+    }
+    return type;
+  }
+
   Segments segments(const char* frame, std::size_t len) const {
     Segments g{len - (offload ? kVnetHdr : 0), 1, 0, 0};
     if (!offload) return g;
@@ -463,13 +475,8 @@ struct Wire::Engine {
     // Parse Ethernet, IP and TCP for the headers' length that each frame repeats.
     const auto* p = reinterpret_cast<const unsigned char*>(frame + kVnetHdr);
     if (g.l2 < 60) return g;
-    std::size_t off = 12;
-    unsigned type = (static_cast<unsigned>(p[off]) << 8) | p[off + 1];
-    off += 2;
-    if (type == 0x8100) {
-      type = (static_cast<unsigned>(p[off + 2]) << 8) | p[off + 3];
-      off += 4;
-    }
+    std::size_t off = 0;
+    const unsigned type = ether_type(p, g.l2, off);
     std::size_t l3 = 0;
     if (type == 0x0800)
       l3 = static_cast<std::size_t>(p[off] & 0x0f) * 4;
@@ -494,14 +501,8 @@ struct Wire::Engine {
     if (len < skip + 14) return false;
     const auto* p = reinterpret_cast<const unsigned char*>(frame + skip);
     const std::size_t l2 = len - skip;
-    std::size_t off = 12;
-    unsigned type = (static_cast<unsigned>(p[off]) << 8) | p[off + 1];
-    off += 2;
-    if (type == 0x8100 && l2 >= off + 4) {
-      type = (static_cast<unsigned>(p[off + 2]) << 8) | p[off + 3];
-      off += 4;
-    }
-    if (type != 0x0800 || l2 < off + 20) return false;
+    std::size_t off = 0;
+    if (ether_type(p, l2, off) != 0x0800 || l2 < off + 20) return false;
     auto address = [&](std::size_t at) {
       return (static_cast<std::uint32_t>(p[at]) << 24) |
              (static_cast<std::uint32_t>(p[at + 1]) << 16) |
