@@ -305,8 +305,12 @@ TEST_F(CudaTcp, ACopyThatFailsOnTheDeviceStreamReportsAnError) {
   ASSERT_EQ(uv_loop_init(&loop), 0);
   {
     const std::size_t size = 1 << 20;
-    std::vector<std::byte> source = test::patterned(size, 5);
-    Memory first(0, size);
+    // The copy ahead is large, so that it still runs when `gone` is freed: under
+    // ThreadSanitizer a 1 MiB copy ahead was once done, and the next one had run into `gone`,
+    // before the test thread freed it.
+    const std::size_t ahead = std::size_t{64} << 20;
+    std::vector<std::byte> source = test::patterned(ahead, 5);
+    Memory first(0, ahead);
     auto gone = std::make_unique<Memory>(0, size);
     cuda::CopyEngine engine(&loop, api());
     std::vector<std::optional<Error>> results(3);
@@ -317,7 +321,7 @@ TEST_F(CudaTcp, ACopyThatFailsOnTheDeviceStreamReportsAnError) {
         ++reported;
       };
     };
-    engine.copy(0, first.data(), source.data(), size, done(0));
+    engine.copy(0, first.data(), source.data(), ahead, done(0));
     engine.copy(0, gone->data(), source.data(), size, done(1));
     gone.reset();
     engine.copy(0, first.data(), source.data(), size, done(2));
